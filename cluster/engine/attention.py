@@ -1,0 +1,117 @@
+"""Attention backends behind one small interface.
+
+The runner fills one `AttnContext` per step; every attention layer calls
+`backend(q, k, v, k_cache, v_cache, ctx)`. KV lives in per-sequence slots
+(`[num_slots, capacity, kv_heads, head_dim]`) because the fa3-fwd wheel has no paged KV:
+a step writes its new keys/values at `cache_len .. cache_len + q_len` of each slot and
+attends causally over the slot's prefix. Prefill, decode and multi-token verify are the
+same call with different q lengths.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AttnContext:
+    slots: torch.Tensor       # [B] int64 slot of each row
+    cache_lens: torch.Tensor  # [B] int64 tokens already cached before this step
+    q_lens: torch.Tensor      # [B] int64 real (unpadded) new tokens per row
+    positions: torch.Tensor   # [B, T] absolute position of every (padded) new token
+    valid: torch.Tensor       # [B, T] bool, False on padding
+    width: int                # T, padded new tokens per row
+    max_kv: int               # max over rows of cache_len + T
+    sdpa_mask: torch.Tensor | None = None  # [B, 1, T, max_kv], built once per step
+
+    @classmethod
+    def build(cls, slots: list[int], cache_lens: list[int], q_lens: list[int], device) -> "AttnContext":
+        width = max(q_lens)
+        t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        slots_t, lens_t, q_t = t(slots), t(cache_lens), t(q_lens)
+        ar = torch.arange(width, device=device)
+        return cls(slots_t, lens_t, q_t, lens_t[:, None] + ar, ar[None, :] < q_t[:, None],
+                   width, max(c + width for c in cache_lens))
+
+
+def write_kv(k, v, k_cache, v_cache, ctx: AttnContext) -> None:
+    """Scatter the real (unpadded) new keys/values into their slots."""
+    rows = ctx.slots[:, None].expand(-1, ctx.width)[ctx.valid]
+    cols = ctx.positions[ctx.valid]
+    k_cache[rows, cols] = k[ctx.valid].to(k_cache.dtype)
+    v_cache[rows, cols] = v[ctx.valid].to(v_cache.dtype)
+
+
+class SdpaBackend:
+    """PyTorch scaled_dot_product_attention over the gathered slot prefix (CPU, any GPU)."""
+
+    name = "sdpa"
+
+    def __call__(self, q, k, v, k_cache, v_cache, ctx: AttnContext) -> torch.Tensor:
+        # q: [B, T, H, D]; k, v: [B, T, Hkv, D]; caches: [S, cap, Hkv, D]
+        write_kv(k, v, k_cache, v_cache, ctx)
+        keys = k_cache[ctx.slots, : ctx.max_kv].transpose(1, 2)    # [B, Hkv, L, D]
+        vals = v_cache[ctx.slots, : ctx.max_kv].transpose(1, 2)
+        if ctx.sdpa_mask is None:  # causal over each row's own prefix, shared by all layers
+            kv_pos = torch.arange(ctx.max_kv, device=q.device)
+            ctx.sdpa_mask = (kv_pos[None, None, :] <= ctx.positions[:, :, None])[:, None]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.to(q.dtype), vals.to(q.dtype),
+            attn_mask=ctx.sdpa_mask, enable_gqa=q.shape[2] != k.shape[2],
+        )
+        return out.transpose(1, 2)                                 # [B, T, H, D]
+
+
+class Fa3Backend:
+    """FlashAttention-3 forward (Hopper, bf16) with `cache_batch_idx` over slots.
+
+    New K/V are written by us (padding never lands in a slot); the kernel then attends
+    over `cache_len + T` keys with bottom-right causal alignment, so a real query t sees
+    exactly keys 0..cache_len+t. Padded rows see stale keys, and their outputs are dropped.
+    Slots therefore keep `T` spare positions past max_model_len (see KVCache.capacity).
+    """
+
+    name = "fa3"
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, q, k, v, k_cache, v_cache, ctx: AttnContext) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, ctx)
+        seqlens = (ctx.cache_lens + ctx.width).to(torch.int32)
+        out = self.fn(q, k_cache, v_cache, cache_seqlens=seqlens,
+                      cache_batch_idx=ctx.slots.to(torch.int32), causal=True)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _load_fa3():
+    for module in ("flash_attn_interface", "fa3_fwd_interface"):
+        try:
+            mod = __import__(module)
+            return module, mod.flash_attn_with_kvcache
+        except (ImportError, AttributeError):
+            continue
+    return None, None
+
+
+def make_backend(name: str, device: torch.device, dtype: torch.dtype):
+    """`auto` picks fa3 on Hopper with bf16 when a FA3 build imports, else sdpa."""
+    if name not in ("auto", "fa3", "sdpa"):
+        raise ValueError(f"attention backend must be auto, fa3 or sdpa, got {name!r}")
+    if name in ("auto", "fa3"):
+        hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+        module, fn = _load_fa3() if hopper else (None, None)
+        if fn is not None and dtype in (torch.bfloat16, torch.float16):
+            log.info("attention backend: fa3 (%s)", module)
+            return Fa3Backend(fn)
+        if name == "fa3":
+            raise RuntimeError("attention backend fa3 needs a Hopper GPU, bf16/fp16 and "
+                               "flash_attn_interface or fa3_fwd_interface (pip install 'spec-cluster[hopper]')")
+    log.info("attention backend: sdpa on %s", device)
+    return SdpaBackend()

@@ -1,0 +1,236 @@
+"""Drafters behind one interface: `propose` for a whole batch, `release` when done.
+
+A request carries the sequence's full token list, so any drafter instance (in this process
+or a remote replica) can serve any call: state is keyed by seq_id and resynchronised from
+the tokens (rejected drafts are rolled back by the common prefix). The drafter is
+disposable: losing its state costs a re-prefill, never correctness.
+
+Proposals travel as sparse distributions (top-K ids and probabilities per position): a
+model drafter samples from its own top-K-truncated distribution, which is itself a legal
+proposal q for rejection sampling, so the verifier sees exactly the q each draft came from.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cluster.engine.kv_cache import KVCache
+from cluster.engine.model import CausalLM
+from cluster.engine.runner import Runner
+from cluster.engine.sampling import SamplingParams, target_probs
+
+TOPK = 32  # support kept for sampled proposals; greedy proposals are one-hot
+CATCHUP = 16  # rows with more new tokens than this (cache misses) are prefilled one by one
+
+
+@dataclass
+class DraftRequest:
+    seq_id: str
+    token_ids: list[int]             # prompt + accepted output so far
+    k: int                           # tokens to propose
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+    @classmethod
+    def make_dummy(cls, k: int = 4) -> "DraftRequest":
+        return cls("dummy", [1, 2, 3, 1, 2], k)
+
+
+@dataclass
+class DraftOutput:
+    tokens: list[list[int]]          # per request, at most k tokens (may be fewer, or none)
+    q_ids: list[np.ndarray]          # per request [n, K] int32 support of each proposal
+    q_probs: list[np.ndarray]        # per request [n, K] float32 probabilities on that support
+    seconds: float = 0.0
+
+    @classmethod
+    def make_dummy(cls) -> "DraftOutput":
+        return cls([[1, 2]], [np.array([[1], [2]], np.int32)], [np.ones((2, 1), np.float32)])
+
+
+def one_hot(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    return np.asarray(tokens, np.int32).reshape(-1, 1), np.ones((len(tokens), 1), np.float32)
+
+
+class Drafter(abc.ABC):
+    name = "drafter"
+
+    @abc.abstractmethod
+    def propose(self, requests: list[DraftRequest]) -> DraftOutput: ...
+
+    def propose_async(self, requests: list[DraftRequest]) -> Future:
+        """Remote drafters return a pending future; local ones compute now."""
+        fut: Future = Future()
+        fut.set_result(self.propose(requests))
+        return fut
+
+    def release(self, seq_ids: list[str]) -> None:
+        """Forget per-sequence state (the sequence finished)."""
+
+    def rollback(self, seq_id: str, num_tokens: int) -> None:
+        """Drop state past `num_tokens` tokens; `propose` also does this from the tokens."""
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
+    (n from max_n down to min_n) and propose what followed it. Model-free, stateless."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+
+    def propose(self, requests: list[DraftRequest]) -> DraftOutput:
+        t0 = time.perf_counter()
+        toks = [self._lookup(np.asarray(r.token_ids, np.int64), r.k) if r.k > 0 else [] for r in requests]
+        hot = [one_hot(t) for t in toks]
+        return DraftOutput(toks, [h[0] for h in hot], [h[1] for h in hot], time.perf_counter() - t0)
+
+    def _lookup(self, ids: np.ndarray, k: int) -> list[int]:
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(ids) <= n:
+                continue
+            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
+            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+            if len(hits):
+                start = hits[-1] + n
+                return ids[start:start + k].tolist()
+        return []
+
+
+class ModelDrafter(Drafter):
+    """A small causal LM with its own slot KV cache; state per seq_id, LRU-evicted."""
+
+    name = "model"
+
+    def __init__(self, model: CausalLM, num_slots: int = 64, max_len: int = 2048, gamma_max: int = 8):
+        s = model.shape
+        p = next(model.parameters())
+        # spare positions: a batched catch-up pads short rows up to CATCHUP tokens
+        self.kv = KVCache(s.layers, num_slots, max_len + CATCHUP, s.kv_heads, s.head_dim, p.dtype, p.device)
+        self.runner = Runner(model, self.kv)
+        self.max_len = max_len
+        self.state: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()  # seq_id -> (slot, cached tokens)
+        self.generators: dict[str, torch.Generator] = {}
+
+    def release(self, seq_ids: list[str]) -> None:
+        for sid in seq_ids:
+            st = self.state.pop(sid, None)
+            self.generators.pop(sid, None)
+            if st is not None:
+                self.kv.free(st[0])
+
+    def rollback(self, seq_id: str, num_tokens: int) -> None:
+        if seq_id in self.state:
+            slot, toks = self.state[seq_id]
+            self.state[seq_id] = (slot, toks[:num_tokens])
+
+    def _slot(self, seq_id: str, keep: set[str]) -> int:
+        if seq_id in self.state:
+            self.state.move_to_end(seq_id)
+            return self.state[seq_id][0]
+        slot = self.kv.allocate()
+        while slot is None:  # evict the least recently used sequence not in this batch
+            victim = next(s for s in self.state if s not in keep)
+            self.release([victim])
+            slot = self.kv.allocate()
+        self.state[seq_id] = (slot, [])
+        return slot
+
+    def propose(self, requests: list[DraftRequest]) -> DraftOutput:
+        t0 = time.perf_counter()
+        live = [r for r in requests if r.k > 0 and len(r.token_ids) + r.k <= self.max_len]
+        out = {r.seq_id: ([], [], []) for r in requests}
+        if live:
+            self._propose(live, out)
+        toks, ids, probs = zip(*(out[r.seq_id] for r in requests))
+        return DraftOutput(list(toks), [np.asarray(i, np.int32).reshape(len(t), -1) for i, t in zip(ids, toks)],
+                           [np.asarray(p, np.float32).reshape(len(t), -1) for p, t in zip(probs, toks)],
+                           time.perf_counter() - t0)
+
+    def _propose(self, reqs: list[DraftRequest], out: dict) -> None:
+        keep = {r.seq_id for r in reqs}
+        slots, lens, feed = [], [], []
+        for r in reqs:
+            slot = self._slot(r.seq_id, keep)
+            cached = self.state[r.seq_id][1]
+            n = _common_prefix(cached, r.token_ids)
+            n = min(n, len(r.token_ids) - 1)  # always feed at least one token to get logits
+            slots.append(slot)
+            lens.append(n)
+            feed.append(r.token_ids[n:])
+        gens = [self.generators.setdefault(r.seq_id, _generator(r.params.seed, self.runner.device)) for r in reqs]
+        logits = self._catch_up(slots, lens, feed)
+        lens = [n + len(f) for n, f in zip(lens, feed)]
+        drafts: list[list[int]] = [[] for _ in reqs]
+        for step in range(max(r.k for r in reqs)):
+            probs = target_probs(logits, [r.params for r in reqs])
+            top_p, top_i = probs.topk(min(TOPK, probs.shape[-1]), dim=-1)
+            top_p = top_p / top_p.sum(-1, keepdim=True)
+            picks = []
+            for b, r in enumerate(reqs):
+                if step >= r.k:
+                    continue
+                if r.params.greedy:
+                    tok, ids, ps = int(top_i[b, 0]), [int(top_i[b, 0])], [1.0]
+                else:
+                    j = int(torch.multinomial(top_p[b].cpu(), 1, generator=gens[b]))
+                    tok, ids, ps = int(top_i[b, j]), top_i[b].tolist(), top_p[b].tolist()
+                drafts[b].append(tok)
+                out[r.seq_id][1].append(ids)
+                out[r.seq_id][2].append(ps)
+                picks.append(b)
+            if step + 1 >= max(r.k for r in reqs):
+                break
+            rows = [b for b in picks if len(drafts[b]) < reqs[b].k]
+            if not rows:
+                break
+            sub = self.runner.forward([slots[b] for b in rows], [lens[b] for b in rows],
+                                      [[drafts[b][-1]] for b in rows], last_only=True)
+            logits = logits.clone()
+            logits[rows] = sub
+            for b in rows:
+                lens[b] += 1
+        for b, r in enumerate(reqs):
+            cached = r.token_ids + drafts[b][:-1]  # the last draft was never fed
+            self.state[r.seq_id] = (slots[b], cached[: lens[b]])
+            out[r.seq_id][0].extend(drafts[b])
+            # pad every position's support to the same K so arrays stay rectangular
+            width = max(len(x) for x in out[r.seq_id][1]) if drafts[b] else 0
+            out[r.seq_id][1][:] = [x + [x[0]] * (width - len(x)) for x in out[r.seq_id][1]]
+            out[r.seq_id][2][:] = [x + [0.0] * (width - len(x)) for x in out[r.seq_id][2]]
+
+
+    def _catch_up(self, slots, lens, feed) -> torch.Tensor:
+        short = [b for b, f in enumerate(feed) if len(f) <= CATCHUP]
+        groups = ([short] if short else []) + [[b] for b, f in enumerate(feed) if len(f) > CATCHUP]
+        logits = None
+        for rows in groups:
+            part = self.runner.forward([slots[b] for b in rows], [lens[b] for b in rows],
+                                       [feed[b] for b in rows], last_only=True)
+            if logits is None:
+                logits = part.new_empty((len(feed), part.shape[-1]))
+            logits[rows] = part
+        return logits
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _generator(seed: int | None, device) -> torch.Generator:
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
+    return g

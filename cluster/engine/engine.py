@@ -1,0 +1,288 @@
+"""The engine loop: schedule, run one target pass, accept, stream. No Ray in here.
+
+    outputs = engine.step()   # prefill chunks, or one draft call + one verify pass
+
+Each verify row is [last token, d_1 .. d_g]; the target's logits at those g+1 positions
+decide, by rejection sampling, how many drafts stand and which token follows. The slot then
+keeps KV for the accepted tokens only: rolling back rejected drafts is moving a length.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from cluster.engine.drafter import DraftOutput, DraftRequest, Drafter
+from cluster.engine.hashing import model_seed
+from cluster.engine.kv_cache import KVCache
+from cluster.engine.model import CausalLM, load_model
+from cluster.engine.runner import Runner
+from cluster.engine.sampling import InvalidRequest, SamplingParams, rejection_sample, target_probs
+from cluster.engine.scheduler import EngineConfig, Scheduler
+from cluster.engine.sequence import RequestOutput, Sequence, SpecParams, Status
+from cluster.engine.stopping import Detokenizer
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Engine:
+    def __init__(self, model: CausalLM, tokenizer, cfg: EngineConfig, drafters: dict[str, Drafter] | None = None,
+                 default_drafter: str | None = None, identity: str = "model"):
+        cfg.validate()
+        self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
+        s = model.shape
+        self.max_model_len = min(cfg.max_model_len, s.max_positions)
+        p = next(model.parameters())
+        # spare positions past max_model_len: padded rows of a step (see attention.Fa3Backend)
+        capacity = self.max_model_len + max(cfg.prefill_chunk, cfg.gamma_max + 1)
+        self.kv = KVCache(s.layers, cfg.max_num_seqs, capacity, s.kv_heads, s.head_dim, p.dtype, p.device,
+                          cfg.block_size, cfg.prefix_cache_blocks, model_seed(identity))
+        self.runner = Runner(model, self.kv, cfg.attention)
+        self.backend = model.backend.name
+        self.scheduler = Scheduler(cfg, self.kv)
+        self.drafters = drafters or {}
+        self.default_drafter = default_drafter
+        self.eos = tokenizer.eos_token_id
+        self.seqs: dict[str, Sequence] = {}
+        self.gamma_fn: Callable[[int], int] = lambda batch: cfg.gamma
+        self.on_verify: Callable[[dict], None] | None = None  # step observation hook (controller, metrics)
+        self._ids = itertools.count()
+        self.totals = {"steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0}
+
+    @classmethod
+    def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str | None = "model",
+                        cfg: EngineConfig | None = None) -> "Engine":
+        from transformers import AutoTokenizer
+
+        from cluster.engine.drafter import ModelDrafter, NgramDrafter
+
+        cfg = cfg or EngineConfig()
+        dtype = DTYPES[cfg.dtype]
+        model = load_model(target, dtype, cfg.device)
+        drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
+        if draft is not None:
+            dm = load_model(draft, dtype, cfg.device)
+            if dm.shape.vocab_size != model.shape.vocab_size:
+                raise ValueError(f"draft vocab {dm.shape.vocab_size} != target vocab {model.shape.vocab_size}")
+            drafters["model"] = ModelDrafter(dm, cfg.max_num_seqs * 2, cfg.max_model_len, cfg.gamma_max)
+        if drafter is not None and drafter not in drafters:
+            raise ValueError(f"unknown drafter {drafter!r} (available: {', '.join(drafters)})")
+        tok = AutoTokenizer.from_pretrained(target)
+        return cls(model, tok, cfg, drafters, drafter, identity=str(Path(target).resolve().name))
+
+    # ---- requests ------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    spec: SpecParams | None = None, drafter: str | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        spec = spec or SpecParams()
+        params.validate()
+        if spec.mode not in ("auto", "off", "fixed"):
+            raise InvalidRequest(f"speculation mode must be auto, off or fixed, got {spec.mode!r}")
+        if spec.mode == "fixed" and not 0 <= spec.gamma <= self.cfg.gamma_max:
+            raise InvalidRequest(f"speculation gamma must be in [0, {self.cfg.gamma_max}], got {spec.gamma}")
+        if drafter is not None and drafter not in self.drafters:
+            raise InvalidRequest(f"unknown drafter {drafter!r} (available: {', '.join(self.drafters) or 'none'})")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequest("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; the limit is {self.max_model_len - 1} "
+                                 f"(max_model_len {self.max_model_len})")
+        if any(not 0 <= t < self.model.shape.vocab_size for t in ids):
+            raise InvalidRequest("prompt token id out of vocabulary")
+        sid = request_id or f"req-{next(self._ids)}"
+        if sid in self.seqs:
+            raise InvalidRequest(f"request id {sid!r} is already in flight")
+        seq = Sequence(sid, ids, params, spec, drafter)
+        seq.generator = torch.Generator().manual_seed(params.seed if params.seed is not None
+                                                      else int(torch.randint(0, 2**62, (1,))))
+        seq.detok = Detokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(seq)
+        self.seqs[sid] = seq
+        return sid
+
+    def abort(self, seq_id: str) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            self._release(seq, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # ---- the step ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self.totals["steps"] += 1
+        chunks = self.scheduler.schedule_prefill()
+        touched = self._prefill(chunks) if chunks else self._verify()
+        return [self._output(s) for s in touched]
+
+    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
+        seqs = [s for s, _ in chunks]
+        logits = self.runner.forward([s.slot for s in seqs], [s.num_cached for s in seqs],
+                                     [s.token_ids[s.num_cached:s.num_cached + n] for s, n in chunks], last_only=True)
+        done = []
+        for b, (seq, n) in enumerate(chunks):
+            seq.num_cached += n
+            if seq.prefilled:
+                done.append(b)
+                if self.kv.prefix is not None:
+                    self.kv.prefix.store(seq.prompt_ids, seq.slot)
+        if not done:
+            return []
+        first = self._sample([seqs[b] for b in done], logits[done][:, None], DraftOutput([[]] * len(done), [], []))
+        return self._accept([seqs[b] for b in done], first, [0] * len(done))
+
+    def _gammas(self) -> dict[str, int]:
+        rows = [s for s in self.scheduler.running if s.prefilled]
+        auto = self.gamma_fn(len(rows))
+        out = {}
+        for s in rows:
+            g = {"off": 0, "fixed": s.spec.gamma}.get(s.spec.mode, auto)
+            if (s.drafter or self.default_drafter) is None:
+                g = 0
+            left = min(s.params.max_tokens - len(s.output_ids), self.max_model_len - len(s.token_ids))
+            out[s.seq_id] = max(0, min(g, self.cfg.gamma_max, left - 1))
+        return out
+
+    def _verify(self) -> list[Sequence]:
+        rows = self.scheduler.schedule_verify(self._gammas())
+        if not rows:
+            return []
+        seqs = [s for s, _ in rows]
+        t0 = time.perf_counter()
+        drafts = self._draft(rows)
+        t1 = time.perf_counter()
+        feeds = [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts.tokens)]
+        logits = self.runner.forward([s.slot for s in seqs], [s.num_cached for s in seqs], feeds, last_only=False)
+        out = self._sample(seqs, logits, drafts)
+        t2 = time.perf_counter()
+        num_draft = [len(d) for d in drafts.tokens]
+        accepted = self._accept(seqs, out, num_draft)
+        if self.on_verify:
+            self.on_verify({"batch_size": len(seqs), "gamma": max(g for _, g in rows), "verify_tokens": sum(map(len, feeds)),
+                            "verify_s": t2 - t1, "draft_s": t1 - t0, "num_draft": num_draft,
+                            "num_accepted": [len(o) - 1 for o in out]})
+        return accepted
+
+    def _draft(self, rows: list[tuple[Sequence, int]]) -> DraftOutput:
+        """One propose call per drafter for the whole batch."""
+        tokens: list[list[int]] = [[] for _ in rows]
+        q_ids, q_probs = [None] * len(rows), [None] * len(rows)
+        by_drafter: dict[str, list[int]] = {}
+        for b, (s, g) in enumerate(rows):
+            if g > 0:
+                by_drafter.setdefault(s.drafter or self.default_drafter, []).append(b)
+        futures = {name: self.drafters[name].propose_async(
+            [DraftRequest(rows[b][0].seq_id, rows[b][0].token_ids, rows[b][1], rows[b][0].params) for b in idx])
+            for name, idx in by_drafter.items()}
+        for name, fut in futures.items():
+            try:
+                res: DraftOutput = fut.result()
+            except Exception as e:  # the drafter is disposable: plain decoding this step
+                log.warning("drafter %s failed (%s); decoding without drafts this step", name, e)
+                continue
+            for j, b in enumerate(by_drafter[name]):
+                tokens[b] = res.tokens[j][: rows[b][1]]
+                q_ids[b], q_probs[b] = res.q_ids[j], res.q_probs[j]
+        return DraftOutput(tokens, q_ids, q_probs)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, drafts: DraftOutput) -> list[list[int]]:
+        """logits [B, T, V] at each row's fed positions -> accepted drafts + one new token per row."""
+        B, vocab = len(seqs), logits.shape[-1]
+        G = max((len(t) for t in drafts.tokens), default=0)
+        dev = logits.device
+        p = target_probs(logits[:, : G + 1].reshape(-1, vocab), [s.params for s in seqs], G + 1).view(B, G + 1, vocab)
+        q = torch.zeros((B, G, vocab), device=dev)
+        draft_ids = torch.full((B, G), -1, dtype=torch.int64)
+        for b, t in enumerate(drafts.tokens):
+            if t:
+                draft_ids[b, : len(t)] = torch.tensor(t)
+                ids = torch.as_tensor(drafts.q_ids[b][: len(t)], dtype=torch.int64, device=dev)
+                q[b, : len(t)].scatter_add_(-1, ids, torch.as_tensor(drafts.q_probs[b][: len(t)], device=dev))
+        gens = [s.generator for s in seqs]
+        uniform = torch.stack([torch.rand(G, generator=g) for g in gens]).to(dev) if G else torch.zeros((B, 0), device=dev)
+        noise = torch.stack([torch.empty(vocab).exponential_(generator=g) for g in gens]).clamp_(min=1e-20).to(dev)
+        num_draft = torch.tensor([len(t) for t in drafts.tokens], device=dev)
+        out, num_acc = rejection_sample(draft_ids.to(dev), num_draft, q, p, uniform, noise)
+        out, num_acc = out.tolist(), num_acc.tolist()
+        return [row[: n + 1] for row, n in zip(out, num_acc)]
+
+    def _accept(self, seqs: list[Sequence], new: list[list[int]], num_draft: list[int]) -> list[Sequence]:
+        now = time.perf_counter()
+        for seq, toks, g in zip(seqs, new, num_draft):
+            if seq.prefilled and seq.output_ids:
+                seq.stats.record(g, len(toks) - 1)
+                self.totals["verify_steps"] += 1
+                self.totals["drafted"] += g
+                self.totals["accepted"] += len(toks) - 1
+            seq.num_cached = len(seq.token_ids) - 1 + len(toks)  # fed last token + accepted drafts
+            if seq.stats.first_token is None:
+                seq.stats.first_token = now
+            seq.stats.token_times.append(now)
+            for t in toks:
+                seq.token_ids.append(t)
+                self.totals["tokens"] += 1
+                reason = self._stop_reason(seq, t)
+                if reason:
+                    seq.finish_reason = reason
+                    break
+            if seq.finish_reason:
+                self._release(seq, seq.finish_reason)
+        return seqs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        if token == self.eos and not seq.params.ignore_eos:
+            return "eos"
+        if seq.detok.add(token):
+            return "stop"
+        if len(seq.output_ids) >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _release(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        for d in self.drafters.values():
+            d.release([seq.seq_id])
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        ids = seq.output_ids[seq.sent_tokens:]
+        seq.sent_tokens += len(ids)
+        text = seq.detok.delta(final=seq.finished)
+        out = RequestOutput(seq.seq_id, ids, text, seq.finished, seq.finish_reason, seq.num_prompt)
+        if seq.finished:
+            out.stats = seq.stats.summary()
+            self.seqs.pop(seq.seq_id, None)
+        return out
+
+    # ---- convenience -----------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 spec: SpecParams | None = None, drafter: str | None = None) -> list[dict]:
+        """Run prompts to completion; returns one dict per prompt (text, token_ids, finish_reason, spec, timing)."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp, spec, drafter) for p, sp in zip(prompts, plist)]
+        results = {i: {"text": "", "token_ids": []} for i in ids}
+        while self.has_work:
+            for o in self.step():
+                if o.seq_id in results:
+                    r = results[o.seq_id]
+                    r["text"] += o.text
+                    r["token_ids"] += o.token_ids
+                    if o.finished:
+                        r.update(finish_reason=o.finish_reason, prompt_tokens=o.num_prompt, **o.stats)
+        return [results[i] for i in ids]
+
+    def stats(self) -> dict:
+        pc = self.kv.prefix.stats if self.kv.prefix else None
+        t = self.totals
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_slots_used": self.kv.slots_used, "kv_slots_total": self.kv.num_slots,
+                "prefix_hit_rate": pc.hit_rate if pc else 0.0,
+                "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else 0.0, **t}

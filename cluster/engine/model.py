@@ -1,0 +1,196 @@
+"""A compact decoder for the Llama family (Llama, Qwen2, Mistral configs).
+
+Weights load from a Hugging Face model directory (config.json + safetensors). q/k/v and
+gate/up projections are fused at load time: one matmul instead of three (two) per layer.
+Rotary tables come from transformers' own rotary-embedding class, so every rope_type it
+knows (default, llama3, yarn, ...) is computed the way the reference computes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cluster.engine.attention import AttnContext
+
+log = logging.getLogger(__name__)
+SUPPORTED = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    qkv_bias: bool
+    tie_embeddings: bool
+    max_positions: int
+
+    @classmethod
+    def from_hf(cls, cfg) -> "ModelShape":
+        if cfg.model_type not in SUPPORTED:
+            raise ValueError(f"model_type {cfg.model_type!r} is not supported (supported: {', '.join(SUPPORTED)})")
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads,
+                   cfg.num_key_value_heads or cfg.num_attention_heads, head_dim, cfg.intermediate_size,
+                   cfg.rms_norm_eps, cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+                   bool(cfg.tie_word_embeddings), cfg.max_position_embeddings)
+
+    def num_params(self) -> int:
+        h, d = self.hidden, self.head_dim
+        attn = h * d * (self.heads + 2 * self.kv_heads) + self.heads * d * h
+        layer = attn + 3 * h * self.intermediate + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return self.layers * layer + emb + h
+
+
+class Rotary(nn.Module):
+    def __init__(self, hf_config, max_positions: int):
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        ref = LlamaRotaryEmbedding(hf_config)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, ref.inv_freq.float())
+        self.register_buffer("cos", freqs.cos() * ref.attention_scaling, persistent=False)
+        self.register_buffer("sin", freqs.sin() * ref.attention_scaling, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, H, D]; positions: [B, T]. Rotate-half convention, as HF Llama.
+        cos = self.cos[positions][:, :, None, :].to(x.dtype)
+        sin = self.sin[positions][:, :, None, :].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.s = s
+        self.qkv_proj = nn.Linear(s.hidden, s.head_dim * (s.heads + 2 * s.kv_heads), bias=s.qkv_bias)
+        self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
+
+    def forward(self, x, positions, rotary, backend, k_cache, v_cache, ctx):
+        B, T, _ = x.shape
+        s = self.s
+        q, k, v = self.qkv_proj(x).split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1)
+        q = rotary(q.view(B, T, s.heads, s.head_dim), positions)
+        k = rotary(k.view(B, T, s.kv_heads, s.head_dim), positions)
+        out = backend(q, k, v.view(B, T, s.kv_heads, s.head_dim), k_cache, v_cache, ctx)
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(s.hidden, 2 * s.intermediate, bias=False)
+        self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # Normalise in fp32 as the reference does, then cast back.
+        return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight.float()).to(x.dtype)
+
+
+class Layer(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden, s.eps)
+        self.self_attn = Attention(s)
+        self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
+        self.mlp = MLP(s)
+
+
+class CausalLM(nn.Module):
+    """Returns hidden states; `logits(h)` applies the head only where the caller needs it."""
+
+    def __init__(self, shape: ModelShape, hf_config):
+        super().__init__()
+        self.shape = shape
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden)
+        self.layers = nn.ModuleList(Layer(shape) for _ in range(shape.layers))
+        self.norm = RMSNorm(shape.hidden, shape.eps)
+        self.lm_head = nn.Linear(shape.hidden, shape.vocab_size, bias=False)
+        self.rotary = Rotary(hf_config, shape.max_positions)
+        self.backend = None  # set by the runner: attention.make_backend(...)
+
+    def forward(self, input_ids, positions, kv, ctx: AttnContext, num_layers: int | None = None):
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers[:num_layers]):
+            a = layer.self_attn(layer.input_layernorm(h), positions, self.rotary, self.backend, kv.k[i], kv.v[i], ctx)
+            h = h + a
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h).float()
+
+
+def _fuse(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+    """Map HF parameter names onto this module, fusing q/k/v and gate/up."""
+    out = {}
+    for name, t in state.items():
+        out[name.removeprefix("model.")] = t
+    for i in range(shape.layers):
+        p = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            parts = [out.pop(f"{p}self_attn.{x}_proj.{kind}", None) for x in "qkv"]
+            if parts[0] is not None:
+                out[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts)
+        out[f"{p}mlp.gate_up_proj.weight"] = torch.cat([out.pop(f"{p}mlp.gate_proj.weight"), out.pop(f"{p}mlp.up_proj.weight")])
+    if shape.tie_embeddings or "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    for key in [k for k in out if "rotary_emb" in k]:
+        out.pop(key)
+    return out
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+    """Build the model from an HF directory (config.json + *.safetensors), weights in `dtype`."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+    from tqdm.auto import tqdm
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+    cfg = AutoConfig.from_pretrained(path)
+    shape = ModelShape.from_hf(cfg)
+    with torch.device("meta"):
+        model = CausalLM(shape, cfg)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    state = {}
+    for f in tqdm(files, desc=f"loading {path.name}", unit="shard", disable=len(files) < 2):
+        state.update(load_file(f, device="cpu"))
+    state = {k: v.to(dtype) for k, v in _fuse(state, shape).items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    model.rotary = Rotary(cfg, shape.max_positions)  # buffers were on meta
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"{path}: weights missing for {missing[:4]}")
+    model.config = cfg
+    log.info("loaded %s: %s, %.1fM params, %s", path, cfg.model_type, shape.num_params() / 1e6, dtype)
+    return model.to(device).eval()

@@ -1,0 +1,122 @@
+"""One `Sequence` carries all per-request state through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecParams:
+    """Per-request speculation override: mode 'auto' (the controller decides), 'off', or 'fixed'."""
+    mode: str = "auto"
+    gamma: int = 0
+
+
+@dataclass
+class SeqStats:
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0           # target passes that produced tokens after the first
+    last_gamma: int = 0
+    proposed_per_pos: list[int] = field(default_factory=list)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one per step that emitted tokens
+    prefix_hit_tokens: int = 0
+
+    def record(self, num_draft: int, num_acc: int) -> None:
+        self.drafted += num_draft
+        self.accepted += num_acc
+        self.verify_steps += 1
+        self.last_gamma = num_draft
+        while len(self.proposed_per_pos) < num_draft:
+            self.proposed_per_pos.append(0)
+            self.accepted_per_pos.append(0)
+        for j in range(num_draft):
+            self.proposed_per_pos[j] += 1
+            self.accepted_per_pos[j] += j < num_acc
+
+    def summary(self) -> dict:
+        itl = sorted(b - a for a, b in zip(self.token_times, self.token_times[1:]))
+        pct = lambda q: 1e3 * itl[min(len(itl) - 1, int(q * len(itl)))] if itl else 0.0  # noqa: E731
+        end = self.token_times[-1] if self.token_times else self.arrival
+        return {
+            "spec": {
+                "drafted": self.drafted,
+                "accepted": self.accepted,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "mean_accepted_len": (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0,
+                "per_position": [a / p if p else 0.0 for a, p in zip(self.accepted_per_pos, self.proposed_per_pos)],
+                "gamma": self.last_gamma,
+                "verify_steps": self.verify_steps,
+            },
+            "timing": {
+                "ttft_ms": 1e3 * ((self.first_token or end) - self.arrival),
+                "itl_ms_p50": pct(0.5),
+                "itl_ms_p99": pct(0.99),
+                "total_ms": 1e3 * (end - self.arrival),
+            },
+        }
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    spec: SpecParams = field(default_factory=SpecParams)
+    drafter: str | None = None       # None: the engine's default drafter
+    token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int | None = None
+    num_cached: int = 0              # tokens whose KV is in the slot
+    finish_reason: str | None = None
+    text: str = ""                   # detokenized output so far (stop strings cut)
+    sent_tokens: int = 0             # output tokens already streamed
+    sent_chars: int = 0
+    generator: torch.Generator | None = None
+    stats: SeqStats = field(default_factory=SeqStats)
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def prefilled(self) -> bool:
+        return self.num_cached >= self.num_prompt
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request (a streaming delta)."""
+    seq_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    num_prompt: int = 0
+    stats: dict | None = None       # SeqStats.summary() on the final output

@@ -1,0 +1,47 @@
+"""Incremental detokenization with stop strings.
+
+Text is streamed in deltas; a delta never ends in half a UTF-8 character and never shows
+the start of what may turn into a stop string (the stop string itself is cut from the text).
+"""
+
+from __future__ import annotations
+
+
+class Detokenizer:
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.text = ""
+        self.stopped = False
+        self.sent = 0
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def add(self, token: int) -> bool:
+        """Append one token; True when a stop string has just appeared."""
+        self.ids.append(token)
+        if not self.stop:
+            return False
+        text = self._decode()
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.stopped = text[:cut], True
+        return self.stopped
+
+    def delta(self, final: bool) -> str:
+        if not self.stopped:
+            self.text = self._decode()
+        end = len(self.text)
+        if not final:
+            while end > self.sent and self.text[end - 1] == "\ufffd":
+                end -= 1
+            for s in self.stop:  # hold back a tail that could still grow into a stop string
+                for k in range(min(len(s) - 1, end - self.sent), 0, -1):
+                    if self.text[end - k:end] == s[:k]:
+                        end -= k
+                        break
+        out = self.text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return out
