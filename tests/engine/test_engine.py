@@ -1,0 +1,141 @@
+"""Engine loop: lossless speculation, stops, prefix cache, bad input, nothing leaked."""
+
+import pytest
+import torch
+
+from cluster.engine.drafter import ModelDrafter, NgramDrafter
+from cluster.engine.engine import Engine
+from cluster.engine.model import load_model
+from cluster.engine.sampling import InvalidRequest, SamplingParams
+from cluster.engine.scheduler import EngineConfig
+from cluster.engine.sequence import SpecParams
+
+PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "z", "the quick brown fox " * 6]
+
+
+@pytest.fixture(scope="module")
+def engine(random_models, tokenizer):
+    target = load_model(random_models["llama"], torch.float32, "cpu")
+    draft = load_model(random_models["llama_draft"], torch.float32, "cpu")
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, prefix_cache_blocks=64, max_batch_tokens=64)
+    return Engine(target, tokenizer, cfg, {"ngram": NgramDrafter(), "model": ModelDrafter(draft, 8, 256)}, "model")
+
+
+def _clean(engine):
+    assert engine.kv.slots_used == 0 and not engine.seqs and not engine.has_work
+    for d in engine.drafters.values():
+        assert not getattr(d, "state", {}), "drafter state left behind"
+
+
+@pytest.fixture(scope="module")
+def baseline(engine):
+    return engine.generate(PROMPTS, SamplingParams(max_tokens=48, ignore_eos=True), SpecParams("off"))
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+@pytest.mark.parametrize("gamma", [1, 2, 4, 8])
+def test_greedy_speculation_is_token_identical(engine, baseline, drafter, gamma):
+    out = engine.generate(PROMPTS, SamplingParams(max_tokens=48, ignore_eos=True), SpecParams("fixed", gamma), drafter)
+    for a, b in zip(baseline, out):
+        assert b["token_ids"] == a["token_ids"]
+        assert b["spec"]["drafted"] > 0 or drafter == "ngram"
+    _clean(engine)
+
+
+def test_mixed_batch_greedy_rows_stay_identical(engine, baseline):
+    """Greedy rows share a batch with sampled rows, other gammas and other drafters."""
+    greedy = SamplingParams(max_tokens=48, ignore_eos=True)
+    ids = [engine.add_request(p, greedy, SpecParams("fixed", g), d)
+           for p, g, d in zip(PROMPTS, [3, 0, 8, 5], ["model", "ngram", "ngram", "model"])]
+    noise = [engine.add_request("xyz" * 5, SamplingParams(max_tokens=40, temperature=1.0, seed=s), SpecParams("fixed", 4))
+             for s in range(3)]
+    got = {i: [] for i in ids + noise}
+    while engine.has_work:
+        for o in engine.step():
+            got[o.seq_id] += o.token_ids
+    for i, base in zip(ids, baseline):
+        assert got[i] == base["token_ids"]
+    _clean(engine)
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    sp = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+    a = engine.generate(["hello"], sp, SpecParams("fixed", 3))
+    b = engine.generate(["hello"], sp, SpecParams("fixed", 3))
+    assert a[0]["token_ids"] == b[0]["token_ids"]
+
+
+def test_stats_and_timing_reported(engine):
+    r = engine.generate(["abcabcabcabc"], SamplingParams(max_tokens=32, ignore_eos=True), SpecParams("fixed", 4), "ngram")[0]
+    spec, timing = r["spec"], r["timing"]
+    assert spec["drafted"] >= spec["accepted"] > 0
+    assert spec["acceptance_rate"] == pytest.approx(spec["accepted"] / spec["drafted"])
+    assert len(spec["per_position"]) == 4 and all(0 <= x <= 1 for x in spec["per_position"])
+    assert 1 <= spec["mean_accepted_len"] <= 5
+    assert 0 < timing["ttft_ms"] <= timing["total_ms"]
+    assert len(r["token_ids"]) == 32 and r["finish_reason"] == "length"
+
+
+def test_stop_string_cuts_text(engine, baseline):
+    full = baseline[1]["text"]
+    stop = full[10:13]
+    r = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=48, stop=[stop], ignore_eos=True), SpecParams("fixed", 4))[0]
+    assert r["finish_reason"] == "stop"
+    assert r["text"] == full[: full.index(stop)]
+    _clean(engine)
+
+
+def test_prefix_cache_hits_and_keeps_output(engine):
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompt = "shared system prompt, long enough to fill blocks. " * 2
+    first = engine.generate([prompt + "A"], sp, SpecParams("off"))[0]
+    hits = engine.kv.prefix.stats.hits
+    again = engine.generate([prompt + "A"], sp, SpecParams("off"))[0]
+    assert engine.kv.prefix.stats.hits > hits
+    assert again["token_ids"] == first["token_ids"]
+
+
+def test_prefix_cache_checks_tokens_on_hash_hit(engine):
+    """A forged entry with the right hash but other tokens is never served."""
+    pool = engine.kv.prefix
+    toks = engine.tokenizer.encode("forged block test!!")
+    h = engine.kv.hashes(toks)[0]
+    engine.generate(["forged block test!!"], SamplingParams(max_tokens=2), SpecParams("off"))
+    pool.blocks[h].tokens = (1, 2, 3, 4)
+    before = pool.stats.hits
+    slot = engine.kv.allocate()
+    assert pool.load(toks, slot) == 0 and pool.stats.hits == before
+    engine.kv.free(slot)
+
+
+@pytest.mark.parametrize("kwargs,spec,drafter,match", [
+    (dict(prompt=""), None, None, "empty"),
+    (dict(prompt="x" * 300), None, None, "limit"),
+    (dict(max_tokens=0), None, None, "max_tokens"),
+    (dict(temperature=-1.0), None, None, "temperature"),
+    (dict(top_p=0.0), None, None, "top_p"),
+    (dict(top_p=1.5), None, None, "top_p"),
+    (dict(top_k=-2), None, None, "top_k"),
+    (dict(), SpecParams("sideways"), None, "speculation mode"),
+    (dict(), SpecParams("fixed", 99), None, "gamma"),
+    (dict(), None, "eagle", "unknown drafter"),
+])
+def test_bad_input_is_refused_and_leaks_nothing(engine, kwargs, spec, drafter, match):
+    prompt = kwargs.pop("prompt", "ok")
+    with pytest.raises(InvalidRequest, match=match):
+        engine.add_request(prompt, SamplingParams(**kwargs), spec, drafter)
+    _clean(engine)
+
+
+def test_abort_frees_everything(engine):
+    sid = engine.add_request("abcabc", SamplingParams(max_tokens=100, ignore_eos=True), SpecParams("fixed", 4), "model")
+    engine.step()
+    engine.step()
+    assert engine.kv.slots_used == 1
+    engine.abort(sid)
+    _clean(engine)
+
+
+def test_unknown_default_drafter_is_refused(random_models):
+    with pytest.raises(ValueError, match="unknown drafter"):
+        Engine.from_pretrained(random_models["llama"], None, drafter="model")
