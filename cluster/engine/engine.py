@@ -26,9 +26,18 @@ from cluster.engine.sampling import InvalidRequest, SamplingParams, rejection_sa
 from cluster.engine.scheduler import EngineConfig, Scheduler
 from cluster.engine.sequence import RequestOutput, Sequence, SpecParams, Status
 from cluster.engine.stopping import Detokenizer
+from cluster.policy.controller import StepObservation
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def observation(batch: int, verify_tokens: int, verify_s: float, draft_s: float,
+                num_draft: list[int], num_acc: list[int]) -> StepObservation:
+    g = max(num_draft, default=0)
+    return StepObservation(batch, g, verify_tokens, verify_s, draft_s, sum(num_draft),
+                           [sum(a > j for a in num_acc) for j in range(g)],
+                           [sum(d > j for d in num_draft) for j in range(g)])
 
 
 class Engine:
@@ -50,8 +59,9 @@ class Engine:
         self.default_drafter = default_drafter
         self.eos = tokenizer.eos_token_id
         self.seqs: dict[str, Sequence] = {}
-        self.gamma_fn: Callable[[int], int] = lambda batch: cfg.gamma
-        self.on_verify: Callable[[dict], None] | None = None  # step observation hook (controller, metrics)
+        self.controller = None  # cluster.policy Controller for 'auto' requests; None: cfg.gamma
+        self.cluster_inflight = 0  # requests in flight cluster-wide, set by the serving layer
+        self.on_verify: Callable[[object], None] | None = None  # StepObservation hook (metrics, autoscaling)
         self._ids = itertools.count()
         self.totals = {"steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0}
 
@@ -141,7 +151,7 @@ class Engine:
 
     def _gammas(self) -> dict[str, int]:
         rows = [s for s in self.scheduler.running if s.prefilled]
-        auto = self.gamma_fn(len(rows))
+        auto = self.controller.gamma(len(rows), self.cluster_inflight) if self.controller else self.cfg.gamma
         out = {}
         for s in rows:
             g = {"off": 0, "fixed": s.spec.gamma}.get(s.spec.mode, auto)
@@ -165,10 +175,11 @@ class Engine:
         t2 = time.perf_counter()
         num_draft = [len(d) for d in drafts.tokens]
         accepted = self._accept(seqs, out, num_draft)
+        obs = observation(len(seqs), sum(map(len, feeds)), t2 - t1, t1 - t0, num_draft, [len(o) - 1 for o in out])
+        if self.controller:
+            self.controller.observe(obs)
         if self.on_verify:
-            self.on_verify({"batch_size": len(seqs), "gamma": max(g for _, g in rows), "verify_tokens": sum(map(len, feeds)),
-                            "verify_s": t2 - t1, "draft_s": t1 - t0, "num_draft": num_draft,
-                            "num_accepted": [len(o) - 1 for o in out]})
+            self.on_verify(obs)
         return accepted
 
     def _draft(self, rows: list[tuple[Sequence, int]]) -> DraftOutput:

@@ -1,0 +1,173 @@
+"""Typed cluster configuration, checked once at load (configs/cluster.yaml).
+
+The same `ClusterConfig` drives `spec-cluster up`, `serve run deploy/serve_config.yaml`
+(through the app builder's args) and the KubeRay manifests' serveConfigV2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from cluster.engine.scheduler import EngineConfig
+from cluster.policy.config import SpeculationPolicyConfig
+
+DEMO_DIR = Path(__file__).parent / "models" / "demo"
+ALIASES = {"demo-target": DEMO_DIR / "target", "demo-draft": DEMO_DIR / "draft"}
+
+
+def resolve_model_path(name: str) -> str:
+    """'demo-target' / 'demo-draft' name the bundled pair; anything else is a directory."""
+    return str(ALIASES.get(name, Path(name)))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelsConfig(_Strict):
+    target: str = "demo-target"
+    """Target model: a Hugging Face directory (config.json, safetensors, tokenizer) or 'demo-target'."""
+    draft: str | None = "demo-draft"
+    """Draft model directory (same tokenizer as the target), 'demo-draft', or null."""
+    drafter: Literal["model", "ngram", "none"] = "model"
+    """Default proposer: the draft model, n-gram prompt lookup, or none (plain decoding)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weight and activation dtype; bfloat16 on GPUs, float32 for exact CPU runs."""
+    device: str = "auto"
+    """'auto' (cuda when present, else cpu), 'cpu' or 'cuda'."""
+    attention: Literal["auto", "fa3", "sdpa"] = "auto"
+    """Attention backend; auto picks FA3 on Hopper, SDPA elsewhere."""
+
+    @model_validator(mode="after")
+    def _draft_needed(self):
+        if self.drafter == "model" and not self.draft:
+            raise ValueError("drafter 'model' needs models.draft")
+        return self
+
+
+class EngineSection(_Strict):
+    max_num_seqs: int = Field(32, ge=1)
+    """KV slots per verifier replica: sequences decoding at once."""
+    max_model_len: int = Field(1024, ge=16)
+    """Prompt plus output tokens per sequence."""
+    max_waiting: int = Field(64, ge=0)
+    """Bounded admission queue per replica; beyond it requests get RESOURCE_EXHAUSTED."""
+    max_batch_tokens: int = Field(512, ge=1)
+    """Verify-token budget of one step: sum of gamma+1 over rows plus prefill tokens."""
+    prefill_chunk: int = Field(256, ge=1)
+    """Prompt tokens per sequence per step (chunked prefill)."""
+    block_size: int = Field(16, ge=1)
+    """Tokens per prefix block (the unit of the block hash and the KV directory)."""
+    prefix_cache_blocks: int = Field(512, ge=0)
+    """Prompt blocks kept for reuse per replica; 0 disables the prefix cache."""
+
+    def engine_config(self, models: ModelsConfig, gamma: int, gamma_max: int) -> EngineConfig:
+        device = models.device
+        if device == "auto":
+            import torch
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return EngineConfig(**self.model_dump(), gamma=min(gamma, gamma_max), gamma_max=gamma_max,
+                            device=device, dtype=models.dtype, attention=models.attention)
+
+
+class DeploymentSection(_Strict):
+    num_replicas: int = Field(1, ge=1)
+    """Replicas when autoscaling is off."""
+    ray_actor_options: dict[str, Any] = Field(default_factory=dict)
+    """Ray resources: on Hopper {num_gpus: 1, accelerator_type: H100}; on CPU {num_cpus: 1}."""
+    max_ongoing_requests: int = Field(256, ge=1)
+    """Serve's per-replica cap on concurrent calls."""
+    autoscaling: bool = False
+    """Use the policy from `autoscaling_file` instead of a fixed num_replicas."""
+
+
+class RouterSection(_Strict):
+    max_inflight: int = Field(512, ge=1)
+    """Requests in flight per router replica; beyond it RESOURCE_EXHAUSTED."""
+    max_prompt_chars: int = Field(65536, ge=1)
+    """Prompts longer than this are refused before tokenizing."""
+    max_tokens_limit: int = Field(1024, ge=1)
+    """Largest max_tokens a request may ask for."""
+    default_max_tokens: int = Field(128, ge=1)
+    """max_tokens when a request leaves it 0."""
+    api_keys: list[str] = Field(default_factory=list)
+    """If non-empty, requests need `authorization: Bearer <key>` with one of these."""
+    per_client_concurrency: int = Field(64, ge=1)
+    """Concurrent requests per API key (or per peer without keys)."""
+    drafter_timeout_s: float = Field(2.0, gt=0)
+    """A draft call slower than this is dropped; the step decodes plainly."""
+
+
+class NetworkSection(_Strict):
+    grpc_port: int = Field(9000, ge=1, le=65535)
+    http_port: int = Field(8000, ge=1, le=65535)
+    app_name: str = "spec-cluster"
+    route_prefix: str = "/spec"
+
+
+class KVDirSection(_Strict):
+    url: str | None = None
+    """null: in-process memory directory; 'embedded': start a local Redis-protocol server;
+    otherwise a redis:// or rediss:// URL (password in the URL or REDIS_PASSWORD env)."""
+    ttl_s: float = Field(10.0, gt=0)
+    """A replica's entries vanish this long after its last heartbeat."""
+    overlap_weight: float = Field(1.0, ge=0)
+    """Router score weight of prefix overlap (in blocks)."""
+    load_weight: float = Field(1.0, ge=0)
+    """Router score weight of verify-token load (normalised by the batch budget)."""
+    max_imbalance: float = Field(2.0, ge=1)
+    """Never route to a replica whose load exceeds this multiple of the least-loaded one's + 1."""
+
+
+class ClusterConfig(_Strict):
+    name: str = "default"
+    """Cluster name; namespaces the KV directory keys."""
+    models: ModelsConfig = Field(default_factory=ModelsConfig)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    speculation: SpeculationPolicyConfig = Field(default_factory=lambda: SpeculationPolicyConfig(mode="fixed", gamma=4))
+    placement: Literal["colocated", "disaggregated"] = "disaggregated"
+    """colocated: the drafter runs inside the verifier process; disaggregated: its own replicas."""
+    verifier: DeploymentSection = Field(default_factory=DeploymentSection)
+    drafter: DeploymentSection = Field(default_factory=DeploymentSection)
+    router: RouterSection = Field(default_factory=RouterSection)
+    network: NetworkSection = Field(default_factory=NetworkSection)
+    kvdir: KVDirSection = Field(default_factory=KVDirSection)
+    autoscaling_file: str | None = None
+    """configs/autoscaling.yaml-style file used by deployments with autoscaling: true."""
+
+    def engine_config(self) -> EngineConfig:
+        s = self.speculation
+        return self.engine.engine_config(self.models, s.gamma, s.gamma_max)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the file and the field."""
+
+
+def load_config(path: str | Path | None = None, overrides: dict | None = None) -> ClusterConfig:
+    data: dict = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{path}: {e}") from e
+    return parse_config(data, overrides, source=str(path or "<defaults>"))
+
+
+def parse_config(data: dict, overrides: dict | None = None, source: str = "<config>") -> ClusterConfig:
+    data = _merge(dict(data), overrides or {})
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as e:
+        msgs = ["{}: field '{}': {}".format(source, ".".join(map(str, err["loc"])), err["msg"]) for err in e.errors()]
+        raise ConfigError("\n".join(msgs)) from None
+
+
+def _merge(base: dict, over: dict) -> dict:
+    for k, v in over.items():
+        base[k] = _merge(dict(base.get(k) or {}), v) if isinstance(v, dict) else v
+    return base

@@ -1,0 +1,1 @@
+"""Ray Serve deployments around the engine: Router (gRPC ingress), Verifier, Drafter."""

@@ -1,0 +1,33 @@
+"""Builds engines and drafters from a ClusterConfig (shared by local mode and deployments)."""
+
+from __future__ import annotations
+
+from cluster.config import ClusterConfig, resolve_model_path
+from cluster.engine.drafter import Drafter, ModelDrafter, NgramDrafter
+from cluster.engine.engine import DTYPES, Engine
+from cluster.engine.model import load_model
+
+
+def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
+    ec = cfg.engine_config()
+    model = load_model(resolve_model_path(cfg.models.draft), DTYPES[ec.dtype], ec.device)
+    return ModelDrafter(model, num_slots=2 * ec.max_num_seqs, max_len=ec.max_model_len, gamma_max=ec.gamma_max)
+
+
+def build_engine(cfg: ClusterConfig, remote_drafter: Drafter | None = None) -> Engine:
+    """The target engine with an n-gram drafter always, and the model drafter either
+    in-process (colocated) or as `remote_drafter` (disaggregated)."""
+    from transformers import AutoTokenizer
+
+    from cluster.policy.controller import make_controller
+
+    ec = cfg.engine_config()
+    target = resolve_model_path(cfg.models.target)
+    model = load_model(target, DTYPES[ec.dtype], ec.device)
+    drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
+    if cfg.models.draft:
+        drafters["model"] = remote_drafter or build_model_drafter(cfg)
+    default = None if cfg.models.drafter == "none" else cfg.models.drafter
+    engine = Engine(model, AutoTokenizer.from_pretrained(target), ec, drafters, default, identity=cfg.models.target)
+    engine.controller = make_controller(cfg.speculation)
+    return engine

@@ -1,0 +1,39 @@
+"""Start (or join) Ray, start Serve with the gRPC proxy, and deploy the application."""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+from ray import serve
+from ray.serve.config import gRPCOptions, HTTPOptions
+
+from cluster.config import ClusterConfig
+from cluster.serve.app import SERVICERS, build_app
+
+log = logging.getLogger(__name__)
+
+
+def grpc_options(cfg: ClusterConfig) -> gRPCOptions:
+    return gRPCOptions(port=cfg.network.grpc_port, grpc_servicer_functions=SERVICERS)
+
+
+def deploy(cfg: ClusterConfig, address: str | None = None, num_cpus: int | None = None,
+           blocking: bool = False) -> dict:
+    """Returns {grpc, dashboard}; the app stays up until `shutdown()`."""
+    if not ray.is_initialized():
+        ray.init(address=address, num_cpus=num_cpus, include_dashboard=None, namespace="spec-cluster",
+                 runtime_env=None, log_to_driver=False)
+    serve.start(grpc_options=grpc_options(cfg), http_options=HTTPOptions(host="0.0.0.0", port=cfg.network.http_port))
+    serve.run(build_app(cfg), name=cfg.network.app_name, route_prefix=cfg.network.route_prefix, blocking=blocking)
+    ctx = ray.get_runtime_context()
+    dashboard = getattr(ctx, "dashboard_url", None) or ray._private.worker.get_dashboard_url()
+    return {"grpc": f"localhost:{cfg.network.grpc_port}", "dashboard": f"http://{dashboard}" if dashboard else ""}
+
+
+def shutdown() -> None:
+    try:
+        serve.shutdown()
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()

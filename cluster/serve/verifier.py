@@ -1,0 +1,160 @@
+"""The Verifier deployment: owns sequences, KV and the continuous-batching loop.
+
+`generate` streams `RequestOutput`s for one request; the Router consumes them. Request
+errors come back as an `ErrorOutput` item rather than an exception, so their gRPC status
+survives the hop unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from ray import serve
+
+from cluster.engine.sampling import InvalidRequest, SamplingParams
+from cluster.engine.scheduler import QueueFull
+from cluster.engine.sequence import SpecParams
+from cluster.policy.autoscaling import VerifyLoadMeter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerateCall:
+    """What the Router sends a Verifier for one request."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    spec: SpecParams
+    drafter: str | None = None
+    request_id: str | None = None
+
+    @classmethod
+    def make_dummy(cls) -> "GenerateCall":
+        return cls([1, 2, 3], SamplingParams(max_tokens=4), SpecParams())
+
+
+@dataclass
+class ErrorOutput:
+    code: str          # a grpc.StatusCode name
+    message: str
+
+
+@serve.deployment(name="Verifier")
+class Verifier:
+    def __init__(self, config: dict, drafter=None, board=None):
+        from cluster.config import ClusterConfig
+        from cluster.serve.build import build_engine
+        from cluster.serve.drafter import RemoteDrafter
+        from cluster.serve.loop import EngineLoop
+
+        cfg = ClusterConfig.model_validate(config)
+        ctx = serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id if ctx else "local"
+        self.remote = RemoteDrafter(drafter, cfg.router.drafter_timeout_s, self.replica_id) if drafter else None
+        self.engine = build_engine(cfg, self.remote)
+        self.cfg = cfg
+        self.load = VerifyLoadMeter()
+        self.engine.on_verify = self._observe
+        self.loop = EngineLoop(self.engine, on_idle=self.remote.flush if self.remote else None)
+        self.board = board
+        if board is not None:
+            threading.Thread(target=self._report, name="stats-report", daemon=True).start()
+        log.info("verifier %s ready: backend=%s placement=%s", self.replica_id, self.engine.backend, cfg.placement)
+
+    def _observe(self, obs) -> None:
+        self.load.note_step(obs.verify_tokens)
+        self.last_gamma = obs.gamma
+
+    async def generate(self, call: GenerateCall):
+        try:
+            sid, q = self.loop.submit(call.prompt_ids, call.params, call.spec, call.drafter, call.request_id)
+        except InvalidRequest as e:
+            yield ErrorOutput("INVALID_ARGUMENT", str(e))
+            return
+        except QueueFull as e:
+            yield ErrorOutput("RESOURCE_EXHAUSTED", str(e))
+            return
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                if isinstance(out, Exception):
+                    yield ErrorOutput("INTERNAL", f"verifier step failed: {out}")
+                    return
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:  # cancelled by the caller, or its deadline passed: free everything
+                self.loop.abort(sid)
+
+    def stats(self) -> dict:
+        with self.loop.lock:
+            s = self.engine.stats()
+        ctrl = self.engine.controller
+        s.update(replica=self.replica_id, gamma=ctrl.snapshot().get("gamma", 0) if ctrl else self.engine.cfg.gamma,
+                 verify_tokens=self.load.report().get("verify_tokens", 0.0), drafter_seqs=0)
+        return s
+
+    def model_info(self) -> dict:
+        m = self.engine.model.shape
+        return {"target": self.cfg.models.target, "draft": self.cfg.models.draft or "", "vocab_size": m.vocab_size,
+                "max_model_len": self.engine.max_model_len, "attention_backend": self.engine.backend,
+                "dtype": self.cfg.models.dtype, "block_size": self.engine.cfg.block_size,
+                "placement": self.cfg.placement}
+
+    def record_routing_stats(self) -> dict:
+        return {"verify_tokens": self.load.report().get("verify_tokens", 0.0),
+                "running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting)}
+
+    def record_autoscaling_stats(self) -> dict:
+        return self.load.report()
+
+    def check_health(self) -> None:
+        if not self.loop.alive:
+            raise RuntimeError(f"engine loop is dead: {self.loop.error}")
+
+    def _report(self) -> None:
+        """Push stats to the board; take back the cluster's in-flight count for the controller."""
+        while self.loop.alive:
+            try:
+                inflight, replicas = self.board.report.remote(self.replica_id, self.stats()).result(timeout_s=5)
+                self.engine.cluster_inflight = inflight
+                if self.engine.controller:
+                    self.engine.controller.set_num_verifier_replicas(max(1, replicas))
+            except Exception as e:  # the board is advice; never let it hurt serving
+                log.debug("stats report failed: %s", e)
+            time.sleep(1.0)
+
+    def __del__(self):
+        if getattr(self, "loop", None):
+            self.loop.stop()
+
+
+@serve.deployment(name="StatsBoard", num_replicas=1, ray_actor_options={"num_cpus": 0})
+class StatsBoard:
+    """Latest stats of each verifier and in-flight counts of each router (for GetStats and
+    the controller's cluster concurrency signal). Entries older than 10 s are dropped."""
+
+    def __init__(self):
+        self.replicas: dict[str, tuple[float, dict]] = {}
+        self.routers: dict[str, tuple[float, int]] = {}
+
+    def _live(self, table: dict) -> dict:
+        now = time.monotonic()
+        for k in [k for k, (t, _) in table.items() if now - t > 10]:
+            table.pop(k)
+        return table
+
+    def report(self, replica: str, stats: dict) -> tuple[int, int]:
+        self.replicas[replica] = (time.monotonic(), stats)
+        return sum(n for _, n in self._live(self.routers).values()), len(self._live(self.replicas))
+
+    def router_inflight(self, router: str, n: int) -> None:
+        self.routers[router] = (time.monotonic(), n)
+
+    def snapshot(self) -> dict:
+        return {"replicas": {k: s for k, (_, s) in self._live(self.replicas).items()},
+                "inflight": sum(n for _, n in self._live(self.routers).values())}
