@@ -10,6 +10,7 @@ checked token by token, so a hash collision or stale directory entry can never s
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -78,22 +79,33 @@ class PrefixPool:
         self.blocks: OrderedDict[int, _Block] = OrderedDict()  # hash -> block, LRU order
         self.stats = PrefixStats()
         self.on_change: Callable[[list[int], list[int]], None] | None = None
+        self.lock = threading.Lock()
 
     def hashes(self) -> list[int]:
-        return list(self.blocks)
+        """All cached block hashes; safe to call from another thread (the KV directory publisher)."""
+        with self.lock:
+            return list(self.blocks)
+
+    def _touch(self, hashes: list[int]) -> None:
+        """Mark a chain used, deepest first, so LRU evicts a chain from its tail: a prompt's
+        first blocks (shared most widely, and needed before any later block can hit) go last."""
+        with self.lock:
+            for h in reversed(hashes):
+                self.blocks.move_to_end(h)
 
     def load(self, tokens: list[int], slot: int) -> int:
         """Copy the longest cached prefix of `tokens` into `slot`; returns tokens loaded."""
         bs = self.cache.block_size
         hashes = self.cache.hashes(tokens)
         self.stats.queries += len(hashes)
-        hit = []
+        hit, hit_hashes = [], []
         for i, h in enumerate(hashes):
             b = self.blocks.get(h)
             if b is None or b.tokens != tuple(tokens[i * bs:(i + 1) * bs]):
                 break
-            self.blocks.move_to_end(h)
             hit.append(b.index)
+            hit_hashes.append(h)
+        self._touch(hit_hashes)
         if hit:
             idx = torch.tensor(hit, device=self.k.device)
             n = len(hit) * bs
@@ -107,14 +119,16 @@ class PrefixPool:
         """Copy the full prompt blocks of a prefilled slot into the pool (LRU eviction)."""
         bs = self.cache.block_size
         stored, evicted = [], []
-        for i, h in enumerate(self.cache.hashes(tokens)):
+        hashes = self.cache.hashes(tokens)
+        self._touch([h for h in hashes if h in self.blocks])  # this prompt's blocks evict last
+        for i, h in enumerate(hashes):
             if h in self.blocks:
-                self.blocks.move_to_end(h)
                 continue
             if not self.free:
                 if not self.blocks:
                     break
-                old, blk = self.blocks.popitem(last=False)
+                with self.lock:
+                    old, blk = self.blocks.popitem(last=False)
                 self.free.append(blk.index)
                 if old in stored:  # pool smaller than this prompt: it evicts its own blocks
                     stored.remove(old)
@@ -123,8 +137,10 @@ class PrefixPool:
             index = self.free.pop()
             self.k[:, index] = self.cache.k[:, slot, i * bs:(i + 1) * bs]
             self.v[:, index] = self.cache.v[:, slot, i * bs:(i + 1) * bs]
-            self.blocks[h] = _Block(index, tuple(tokens[i * bs:(i + 1) * bs]))
+            with self.lock:
+                self.blocks[h] = _Block(index, tuple(tokens[i * bs:(i + 1) * bs]))
             stored.append(h)
+        self._touch([h for h in hashes if h in self.blocks])
         self.stats.stored += len(stored)
         self.stats.evicted += len(evicted)
         if self.on_change and (stored or evicted):

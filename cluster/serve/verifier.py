@@ -95,7 +95,7 @@ class Verifier:
             s = self.engine.stats()
         ctrl = self.engine.controller
         s.update(replica=self.replica_id, gamma=ctrl.snapshot().get("gamma", 0) if ctrl else self.engine.cfg.gamma,
-                 verify_tokens=self.load.report().get("verify_tokens", 0.0), drafter_seqs=0)
+                 verify_tokens=int(self.load.report().get("verify_tokens", 0.0)))
         return s
 
     def model_info(self) -> dict:

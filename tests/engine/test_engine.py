@@ -139,3 +139,19 @@ def test_abort_frees_everything(engine):
 def test_unknown_default_drafter_is_refused(random_models):
     with pytest.raises(ValueError, match="unknown drafter"):
         Engine.from_pretrained(random_models["llama"], None, drafter="model")
+
+
+def test_prefix_pool_evicts_chain_tails_first(random_models, tokenizer):
+    """Under pressure a prompt's first blocks stay: a later block is useless without them."""
+    target = load_model(random_models["llama"], torch.float32, "cpu")
+    e = Engine(target, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=128, block_size=4, prefix_cache_blocks=6))
+    events = []
+    e.kv.prefix.on_change = lambda s, ev: events.append((s, ev))
+    sp = SamplingParams(max_tokens=1)
+    a = "aaaabbbbccccdddd!"   # 4 full blocks
+    e.generate([a], sp, SpecParams("off"))
+    e.generate(["zzzzyyyy!"], sp, SpecParams("off"))   # 2 more: pool full (6)
+    e.generate(["qqqqrrrr!"], sp, SpecParams("off"))   # evicts 2 blocks of the oldest chain: its tail
+    first = e.kv.hashes(tokenizer.encode(a))
+    assert first[0] in e.kv.prefix.blocks and first[1] in e.kv.prefix.blocks
+    assert set(events[-1][1]) == set(first[2:])
