@@ -19,12 +19,13 @@ def grpc_options(cfg: ClusterConfig) -> gRPCOptions:
 
 
 def deploy(cfg: ClusterConfig, address: str | None = None, num_cpus: int | None = None,
-           blocking: bool = False) -> dict:
+           blocking: bool = False, proxy_location: str = "EveryNode") -> dict:
     """Returns {grpc, dashboard}; the app stays up until `shutdown()`."""
     if not ray.is_initialized():
         ray.init(address=address, num_cpus=num_cpus, include_dashboard=None, namespace="spec-cluster",
                  runtime_env=None, log_to_driver=False)
-    serve.start(grpc_options=grpc_options(cfg), http_options=HTTPOptions(host="0.0.0.0", port=cfg.network.http_port))
+    serve.start(grpc_options=grpc_options(cfg), proxy_location=proxy_location,
+                http_options=HTTPOptions(host="0.0.0.0", port=cfg.network.http_port))
     serve.run(build_app(cfg), name=cfg.network.app_name, route_prefix=cfg.network.route_prefix, blocking=blocking)
     ctx = ray.get_runtime_context()
     dashboard = getattr(ctx, "dashboard_url", None) or ray._private.worker.get_dashboard_url()

@@ -1,0 +1,47 @@
+"""Shared fixtures: one Ray cluster for the whole session (two simulated nodes), the demo pair."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "cluster" / "models" / "demo"
+HOPPER = "accelerator_type:H100"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def demo_pair() -> tuple[Path, Path]:
+    if not (DEMO / "target" / "config.json").exists():
+        pytest.skip("demo models not present (spec-cluster models train-demo)")
+    return DEMO / "target", DEMO / "draft"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A head node (CPU, runs router and drafters) and a worker node that advertises the
+    Hopper accelerator resource (runs verifiers): `ray.cluster_utils.Cluster`, one per session."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 6, "resources": {"head": 1}})
+    cluster.add_node(num_cpus=6, resources={HOPPER: 1, "hopper_node": 1})
+    ray.init(address=cluster.address, namespace="spec-cluster-tests", log_to_driver=False)
+    yield cluster
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
