@@ -33,7 +33,8 @@ def ray_cluster():
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
-    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    # workers import `cluster` from the checkout even when it is not pip-installed
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 6, "resources": {"head": 1}})
     cluster.add_node(num_cpus=6, resources={HOPPER: 1, "hopper_node": 1})
     ray.init(address=cluster.address, namespace="spec-cluster-tests", log_to_driver=False)
@@ -45,3 +46,15 @@ def ray_cluster():
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_grpc(ray_cluster):
+    """Serve with its gRPC proxy on one port for the session; tests deploy named apps on it
+    and send `application` metadata (several apps share the proxy)."""
+    from cluster.config import parse_config
+    from cluster.serve.launch import start_serve
+
+    port = free_port()
+    start_serve(parse_config({"network": {"grpc_port": port, "http_port": free_port()}}), proxy_location="HeadOnly")
+    return port

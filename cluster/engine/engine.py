@@ -24,7 +24,7 @@ from cluster.engine.model import CausalLM, load_model
 from cluster.engine.runner import Runner
 from cluster.engine.sampling import InvalidRequest, SamplingParams, rejection_sample, target_probs
 from cluster.engine.scheduler import EngineConfig, Scheduler
-from cluster.engine.sequence import RequestOutput, Sequence, SpecParams, Status
+from cluster.engine.sequence import RequestOutput, Sequence, SpecParams
 from cluster.engine.stopping import Detokenizer
 from cluster.policy.controller import StepObservation
 

@@ -8,7 +8,6 @@ knows (default, llama3, yarn, ...) is computed the way the reference computes it
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path

@@ -38,8 +38,12 @@ class DrafterDeployment:
         with self.lock:
             self.drafter.release(seq_ids)
 
-    def num_sequences(self) -> int:
-        return len(self.drafter.state)
+    def info(self) -> dict:
+        """Sequences with draft state here, and where this replica runs."""
+        import ray
+
+        with self.lock:
+            return {"sequences": len(self.drafter.state), "node_id": ray.get_runtime_context().get_node_id()}
 
     def record_autoscaling_stats(self) -> dict:
         return self.demand.report()

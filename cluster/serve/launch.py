@@ -24,12 +24,21 @@ def deploy(cfg: ClusterConfig, address: str | None = None, num_cpus: int | None 
     if not ray.is_initialized():
         ray.init(address=address, num_cpus=num_cpus, include_dashboard=None, namespace="spec-cluster",
                  runtime_env=None, log_to_driver=False)
-    serve.start(grpc_options=grpc_options(cfg), proxy_location=proxy_location,
-                http_options=HTTPOptions(host="0.0.0.0", port=cfg.network.http_port))
-    serve.run(build_app(cfg), name=cfg.network.app_name, route_prefix=cfg.network.route_prefix, blocking=blocking)
+    start_serve(cfg, proxy_location)
+    run_app(cfg, blocking)
     ctx = ray.get_runtime_context()
     dashboard = getattr(ctx, "dashboard_url", None) or ray._private.worker.get_dashboard_url()
     return {"grpc": f"localhost:{cfg.network.grpc_port}", "dashboard": f"http://{dashboard}" if dashboard else ""}
+
+
+def start_serve(cfg: ClusterConfig, proxy_location: str = "EveryNode") -> None:
+    """Serve's proxies take their ports once, when Serve first starts on a Ray cluster."""
+    serve.start(grpc_options=grpc_options(cfg), proxy_location=proxy_location,
+                http_options=HTTPOptions(host="0.0.0.0", port=cfg.network.http_port))
+
+
+def run_app(cfg: ClusterConfig, blocking: bool = False) -> None:
+    serve.run(build_app(cfg), name=cfg.network.app_name, route_prefix=cfg.network.route_prefix, blocking=blocking)
 
 
 def shutdown() -> None:

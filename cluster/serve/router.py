@@ -16,7 +16,7 @@ import grpc
 from ray import serve
 
 from cluster.engine.sampling import InvalidRequest, SamplingParams
-from cluster.engine.sequence import RequestOutput, SpecParams
+from cluster.engine.sequence import SpecParams
 from cluster.proto import generation_pb2 as pb
 from cluster.serve.verifier import ErrorOutput, GenerateCall
 

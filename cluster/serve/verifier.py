@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import ray
 from ray import serve
 
 from cluster.engine.sampling import InvalidRequest, SamplingParams
@@ -53,6 +54,7 @@ class Verifier:
         cfg = ClusterConfig.model_validate(config)
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id if ctx else "local"
+        self.node_id = ray.get_runtime_context().get_node_id()
         self.remote = RemoteDrafter(drafter, cfg.router.drafter_timeout_s, self.replica_id) if drafter else None
         self.engine = build_engine(cfg, self.remote)
         self.cfg = cfg
@@ -94,7 +96,7 @@ class Verifier:
         with self.loop.lock:
             s = self.engine.stats()
         ctrl = self.engine.controller
-        s.update(replica=self.replica_id, gamma=ctrl.snapshot().get("gamma", 0) if ctrl else self.engine.cfg.gamma,
+        s.update(replica=self.replica_id, node_id=self.node_id, gamma=ctrl.snapshot().get("gamma", 0) if ctrl else self.engine.cfg.gamma,
                  verify_tokens=int(self.load.report().get("verify_tokens", 0.0)))
         return s
 

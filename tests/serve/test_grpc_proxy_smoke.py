@@ -8,7 +8,6 @@ replica's coroutine.
 """
 
 import asyncio
-import os
 import socket
 import time
 from pathlib import Path
@@ -20,7 +19,6 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 health_pb2 = pytest.importorskip("grpc_health.v1.health_pb2")
 
-from ray.serve.config import HTTPOptions, gRPCOptions  # noqa: E402
 from ray.serve.generated import serve_pb2, serve_pb2_grpc  # noqa: E402
 from ray.serve.grpc_util import RayServegRPCContext  # noqa: E402
 
@@ -88,29 +86,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def address():
-    # The proxy and replica processes import cluster.proto; they get sys.path from
-    # the environment that ray.init hands to the raylet, not from this process.
-    old_path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), old_path) if p)
-    ray.init(num_cpus=2, include_dashboard=False)
-    try:
-        port = _free_port()
-        serve.start(
-            http_options=HTTPOptions(port=_free_port()),
-            grpc_options=gRPCOptions(port=port, grpc_servicer_functions=SERVICERS),
-        )
-        # Two apps, so the proxy needs the `application` metadata to route.
-        serve.run(EchoIngress.bind("spec"), name="spec", route_prefix="/spec")
-        serve.run(EchoIngress.bind("other"), name="other", route_prefix="/other")
-        yield f"localhost:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        if old_path is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old_path
+def address(serve_grpc):
+    """Two echo apps on the session's Serve instance, so the proxy needs `application`."""
+    serve.run(EchoIngress.bind("spec"), name="spec", route_prefix="/spec")
+    serve.run(EchoIngress.bind("other"), name="other", route_prefix="/other")
+    yield f"localhost:{serve_grpc}"
+    serve.delete("spec")
+    serve.delete("other")
 
 
 def test_unary_routes_by_application_metadata(address):

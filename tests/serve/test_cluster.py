@@ -1,0 +1,174 @@
+"""The Serve cluster end to end: real Ray (two simulated nodes), real gRPC proxy and client.
+
+Greedy outputs through gRPC equal the in-process engine's with speculation off, for both
+placements; the verifier lands on the Hopper-labelled node and the drafter elsewhere;
+cancelled and expired calls free their sequence; bad input gets INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from cluster.client import Client
+from cluster.config import parse_config
+from cluster.engine.sampling import SamplingParams
+from cluster.engine.sequence import SpecParams
+from cluster.serve.build import build_engine
+from tests.conftest import HOPPER
+
+PROMPTS = ["import os\nimport sys\n\ndef main(", "class Config:\n    def __init__(self", "for i in range(",
+           "    return self._"]
+MAX_TOKENS = 40
+
+
+def _config(port: int, placement: str, name: str) -> dict:
+    return {
+        "placement": placement,
+        "network": {"grpc_port": port, "app_name": name, "route_prefix": f"/{name}"},
+        "engine": {"max_num_seqs": 16, "max_model_len": 512},
+        "verifier": {"ray_actor_options": {"num_cpus": 1, "accelerator_type": "H100"}},
+        "drafter": {"ray_actor_options": {"num_cpus": 1, "resources": {"head": 0.01}}},
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(demo_pair):
+    """Greedy outputs of the in-process engine with speculation off."""
+    engine = build_engine(parse_config({"engine": {"max_num_seqs": 16, "max_model_len": 512}}))
+    out = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), SpecParams("off"))
+    return [r["token_ids"] for r in out]
+
+
+@pytest.fixture(scope="module", params=["disaggregated", "colocated"])
+def app(request, serve_grpc, demo_pair):
+    from ray import serve
+
+    from cluster.serve.launch import run_app
+
+    name = f"spec-{request.param}"
+    cfg = parse_config(_config(serve_grpc, request.param, name))
+    run_app(cfg)
+    client = Client(f"localhost:{serve_grpc}", application=name)
+    yield request.param, name, client
+    client.close()
+    serve.delete(name)
+
+
+def _verifier_stats(name):
+    from ray import serve
+
+    return serve.get_deployment_handle("Verifier", name).stats.remote().result()
+
+
+def test_unary_and_stream_equal_local_engine(app, reference):
+    _, _, client = app
+    for prompt, expect in zip(PROMPTS, reference):
+        r = client.generate(prompt, max_tokens=MAX_TOKENS, speculation=4)
+        assert list(r.token_ids) == expect
+        assert r.finish_reason in ("length", "eos", "stop") and r.spec.drafted > 0
+        ids = []
+        chunks = list(client.generate_stream(prompt, max_tokens=MAX_TOKENS, speculation=3))
+        for c in chunks:
+            ids += c.token_ids
+        assert ids == expect
+        assert chunks[-1].final and chunks[-1].timing.ttft_ms > 0
+        assert all(not c.final for c in chunks[:-1])
+
+
+def test_sixteen_concurrent_streams_complete_and_correct(app, reference):
+    _, _, client = app
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            ids = []
+            for c in client.generate_stream(PROMPTS[i % len(PROMPTS)], max_tokens=MAX_TOKENS, speculation="auto"):
+                ids += c.token_ids
+            results[i] = ids
+        except Exception as e:  # noqa: BLE001 - collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not errors
+    assert len(results) == 16
+    for i, ids in results.items():
+        assert ids == reference[i % len(PROMPTS)]
+
+
+def test_placement(app, ray_cluster):
+    import ray
+    from ray import serve
+
+    placement, name, _ = app
+    hopper_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"] and HOPPER in n["Resources"]}
+    assert _verifier_stats(name)["node_id"] in hopper_nodes
+    if placement == "disaggregated":
+        info = serve.get_deployment_handle("Drafter", name).info.remote().result()
+        assert info["node_id"] not in hopper_nodes
+
+
+def _wait_idle(name, timeout=20.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        s = _verifier_stats(name)
+        if s["kv_slots_used"] == 0 and s["running"] == 0 and s["waiting"] == 0:
+            return s
+        time.sleep(0.2)
+    raise AssertionError(f"sequences left behind: {s}")
+
+
+def test_cancelled_stream_frees_its_sequence(app):
+    _, name, client = app
+    stream = client.generate_stream(PROMPTS[0], max_tokens=400, temperature=1.0, seed=1)
+    next(stream)
+    assert _verifier_stats(name)["kv_slots_used"] >= 1
+    stream.close()  # the client cancels the call
+    _wait_idle(name)
+
+
+def test_deadline_frees_its_sequence(app, serve_grpc):
+    _, name, _ = app
+    with Client(f"localhost:{serve_grpc}", application=name, timeout=0.5) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate(PROMPTS[1], max_tokens=500, temperature=1.0, seed=2)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_idle(name)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(prompt=""), "prompt is empty"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(max_tokens=100000), "max_tokens"),
+    (dict(speculation=99), "gamma"),
+])
+def test_invalid_argument(app, kwargs, needle):
+    _, _, client = app
+    prompt = kwargs.pop("prompt", "x = ")
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(prompt, **{"max_tokens": 8, **kwargs})
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in e.value.details()
+
+
+def test_model_info_stats_and_health(app):
+    placement, _, client = app
+    info = client.model_info()
+    assert info.placement == placement and info.attention_backend == "sdpa" and info.vocab_size > 0
+    assert client.health() == "SERVING"
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        stats = client.stats()
+        if stats.replicas:
+            break
+        time.sleep(0.5)
+    assert len(stats.replicas) == 1 and stats.replicas[0].kv_slots_total == 16
