@@ -19,6 +19,7 @@ from cluster.engine.sampling import InvalidRequest, SamplingParams
 from cluster.engine.scheduler import QueueFull
 from cluster.engine.sequence import SpecParams
 from cluster.policy.autoscaling import VerifyLoadMeter
+from cluster.serve.metrics import VerifierMetrics
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class Verifier:
         self.engine = build_engine(cfg, self.remote)
         self.cfg = cfg
         self.load = VerifyLoadMeter()
+        self.metrics = VerifierMetrics(self.replica_id)
         self.engine.on_verify = self._observe
         self.loop = EngineLoop(self.engine, on_idle=self.remote.flush if self.remote else None)
         self.board = board
@@ -68,7 +70,7 @@ class Verifier:
 
     def _observe(self, obs) -> None:
         self.load.note_step(obs.verify_tokens)
-        self.last_gamma = obs.gamma
+        self.metrics.step(obs)
 
     async def generate(self, call: GenerateCall):
         try:
@@ -79,14 +81,21 @@ class Verifier:
         except QueueFull as e:
             yield ErrorOutput("RESOURCE_EXHAUSTED", str(e))
             return
-        finished = False
+        finished, last, itl = False, None, []
         try:
             while not finished:
                 out = await q.get()
                 if isinstance(out, Exception):
                     yield ErrorOutput("INTERNAL", f"verifier step failed: {out}")
                     return
+                now = time.perf_counter()
+                if last is not None and out.token_ids:  # a step's tokens share its interval
+                    itl += [1e3 * (now - last) / len(out.token_ids)] * len(out.token_ids)
+                last = now
                 finished = out.finished
+                if finished:
+                    pc = self.engine.kv.prefix
+                    self.metrics.finished(out.stats["timing"], itl, pc.stats.hit_rate if pc else 0.0)
                 yield out
         finally:
             if not finished:  # cancelled by the caller, or its deadline passed: free everything

@@ -1,0 +1,55 @@
+"""Verifier metrics through Ray's metrics API: they reach the Ray dashboard and Prometheus
+(as `ray_spec_*`). One `VerifierMetrics` per replica, fed from the engine's step hook."""
+
+from __future__ import annotations
+
+from ray.util import metrics
+
+MS_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+TOKEN_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+
+class VerifierMetrics:
+    def __init__(self, replica: str):
+        tags = ("replica",)
+        self.drafted = metrics.Counter("spec_drafted_tokens", "Draft tokens proposed", tag_keys=tags)
+        self.accepted = metrics.Counter("spec_accepted_tokens", "Draft tokens accepted", tag_keys=tags)
+        self.pos_proposed = metrics.Counter("spec_position_proposed", "Drafts proposed at a position",
+                                            tag_keys=tags + ("position",))
+        self.pos_accepted = metrics.Counter("spec_position_accepted", "Drafts accepted at a position",
+                                            tag_keys=tags + ("position",))
+        self.gamma = metrics.Gauge("spec_gamma", "Gamma of the last verify step", tag_keys=tags)
+        self.on = metrics.Gauge("spec_speculation_on", "1 while speculation is on (gamma > 0)", tag_keys=tags)
+        self.batch_tokens = metrics.Histogram("spec_verify_batch_tokens", "Verify tokens per step",
+                                              boundaries=TOKEN_BUCKETS, tag_keys=tags)
+        self.ttft = metrics.Histogram("spec_ttft_ms", "Time to first token (ms)", boundaries=MS_BUCKETS, tag_keys=tags)
+        self.itl = metrics.Histogram("spec_itl_ms", "Inter-token latency (ms)", boundaries=MS_BUCKETS, tag_keys=tags)
+        self.prefix_hit = metrics.Gauge("spec_prefix_hit_ratio", "Prefix-cache block hit ratio", tag_keys=tags)
+        self.running = metrics.Gauge("spec_running_sequences", "Sequences in the batch", tag_keys=tags)
+        self.tags = {"replica": replica}
+        for m in (self.drafted, self.accepted, self.gamma, self.on, self.batch_tokens, self.ttft, self.itl,
+                  self.prefix_hit, self.running):
+            m.set_default_tags(self.tags)
+
+    def step(self, obs) -> None:
+        """After each verify pass (engine.on_verify)."""
+        if obs.drafted:
+            self.drafted.inc(obs.drafted)
+        acc = sum(obs.accepted_per_position)
+        if acc:
+            self.accepted.inc(acc)
+        for j, (p, a) in enumerate(zip(obs.proposed_per_position, obs.accepted_per_position)):
+            tags = {**self.tags, "position": str(j)}
+            self.pos_proposed.inc(p, tags)
+            if a:
+                self.pos_accepted.inc(a, tags)
+        self.gamma.set(obs.gamma)
+        self.on.set(1 if obs.gamma > 0 else 0)
+        self.batch_tokens.observe(obs.verify_tokens)
+        self.running.set(obs.batch_size)
+
+    def finished(self, timing: dict, itl_ms: list[float], prefix_hit_rate: float) -> None:
+        self.ttft.observe(timing["ttft_ms"])
+        for x in itl_ms:
+            self.itl.observe(x)
+        self.prefix_hit.set(prefix_hit_rate)
