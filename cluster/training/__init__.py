@@ -1,0 +1,1 @@
+"""Training scripts for the demo target/drafter model pair."""
