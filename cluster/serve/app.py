@@ -6,12 +6,17 @@
 
 from __future__ import annotations
 
+import logging
+
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from cluster.config import ClusterConfig, load_config, parse_config
 from cluster.serve.drafter import DrafterDeployment
 from cluster.serve.router import Router
 from cluster.serve.verifier import StatsBoard, Verifier
+
+log = logging.getLogger(__name__)
 
 SERVICERS = ["cluster.proto.generation_pb2_grpc.add_GenerationServicer_to_server",
              "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]
@@ -26,6 +31,21 @@ def _options(section, autoscaling: dict | None) -> dict:
     return opts
 
 
+def request_router_config(cfg: ClusterConfig) -> RequestRouterConfig:
+    """How the Router's handle picks a Verifier replica (kwargs must be JSON)."""
+    k, e = cfg.kvdir, cfg.engine
+    if k.routing == "power_of_two":
+        return RequestRouterConfig(request_routing_stats_period_s=k.routing_stats_period_s)
+    return RequestRouterConfig(
+        request_router_class="cluster.serve.routing:PrefixLoadRouter",
+        request_router_kwargs={
+            "cluster": cfg.name, "model": cfg.models.target, "url": k.url, "ttl_s": k.ttl_s,
+            "block_size": e.block_size, "overlap_weight": k.overlap_weight, "load_weight": k.load_weight,
+            "max_imbalance": k.max_imbalance, "max_num_seqs": e.max_num_seqs,
+            "max_batch_tokens": e.max_batch_tokens},
+        request_routing_stats_period_s=k.routing_stats_period_s)
+
+
 def build_app(cfg: ClusterConfig) -> Application:
     scaling = {"verifier": None, "drafter": None}
     if cfg.autoscaling_file:
@@ -33,12 +53,17 @@ def build_app(cfg: ClusterConfig) -> Application:
 
         a = load_autoscaling(cfg.autoscaling_file)
         scaling = {"verifier": a.verifier.serve_autoscaling_config(), "drafter": a.drafter.serve_autoscaling_config()}
+    if cfg.kvdir.url == "embedded":  # only launch.deploy starts that server
+        log.warning("kvdir.url 'embedded' is started by `spec-cluster up` only; without a redis:// URL "
+                    "verifier routing uses load only")
+        cfg = cfg.model_copy(update={"kvdir": cfg.kvdir.model_copy(update={"url": None})})
     data = cfg.model_dump()
     board = StatsBoard.bind()
     drafter = None
     if cfg.placement == "disaggregated" and cfg.models.draft:
         drafter = DrafterDeployment.options(**_options(cfg.drafter, scaling["drafter"])).bind(data)
-    verifier = Verifier.options(**_options(cfg.verifier, scaling["verifier"])).bind(data, drafter, board)
+    verifier = Verifier.options(**_options(cfg.verifier, scaling["verifier"]),
+                                request_router_config=request_router_config(cfg)).bind(data, drafter, board)
     return Router.options(max_ongoing_requests=cfg.router.max_inflight * 2).bind(data, verifier, board)
 
 

@@ -12,6 +12,7 @@ from cluster.config import ClusterConfig
 from cluster.serve.app import SERVICERS, build_app
 
 log = logging.getLogger(__name__)
+_stop_kvdir = None  # stops the server start_embedded_kvdir started, if any
 
 
 def grpc_options(cfg: ClusterConfig) -> gRPCOptions:
@@ -24,11 +25,28 @@ def deploy(cfg: ClusterConfig, address: str | None = None, num_cpus: int | None 
     if not ray.is_initialized():
         ray.init(address=address, num_cpus=num_cpus, include_dashboard=None, namespace="spec-cluster",
                  runtime_env=None, log_to_driver=False)
+    cfg = start_embedded_kvdir(cfg)
     start_serve(cfg, proxy_location)
     run_app(cfg, blocking)
     ctx = ray.get_runtime_context()
     dashboard = getattr(ctx, "dashboard_url", None) or ray._private.worker.get_dashboard_url()
     return {"grpc": f"localhost:{cfg.network.grpc_port}", "dashboard": f"http://{dashboard}" if dashboard else ""}
+
+
+def start_embedded_kvdir(cfg: ClusterConfig) -> ClusterConfig:
+    """kvdir.url 'embedded': start one local Redis-protocol server (until `shutdown()`) and
+    return the config pointing at it. It listens on 127.0.0.1, so it serves a one-machine
+    cluster; a multi-node cluster needs a shared redis:// URL."""
+    global _stop_kvdir
+    if cfg.kvdir.url != "embedded":
+        return cfg
+    from cluster.kvdir.embedded import start_local_server
+
+    if _stop_kvdir is not None:
+        _stop_kvdir()
+    url, _stop_kvdir = start_local_server()
+    log.info("kv directory: embedded server at %s", url)
+    return cfg.model_copy(update={"kvdir": cfg.kvdir.model_copy(update={"url": url})})
 
 
 def start_serve(cfg: ClusterConfig, proxy_location: str = "EveryNode") -> None:
@@ -42,8 +60,12 @@ def run_app(cfg: ClusterConfig, blocking: bool = False) -> None:
 
 
 def shutdown() -> None:
+    global _stop_kvdir
     try:
-        serve.shutdown()
+        serve.shutdown()  # first, so verifiers remove their directory entries cleanly
     finally:
         if ray.is_initialized():
             ray.shutdown()
+        if _stop_kvdir is not None:
+            _stop_kvdir()
+            _stop_kvdir = None

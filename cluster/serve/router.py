@@ -63,6 +63,7 @@ class Router:
                 if out.finished:
                     _finish(resp, out.stats["spec"], out.stats["timing"], out.finish_reason)
                     resp.prompt_tokens = out.num_prompt
+                    resp.replica = getattr(out, "replica", "")  # set by Verifier.generate
         except Status as e:
             self._set_status(grpc_context, e)
             return pb.GenerateResponse()

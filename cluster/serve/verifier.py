@@ -7,6 +7,7 @@ survives the hop unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -63,16 +64,35 @@ class Verifier:
         self.metrics = VerifierMetrics(self.replica_id)
         self.engine.on_verify = self._observe
         self.loop = EngineLoop(self.engine, on_idle=self.remote.flush if self.remote else None)
+        self.publisher = self._make_publisher(cfg)
         self.board = board
         if board is not None:
             threading.Thread(target=self._report, name="stats-report", daemon=True).start()
         log.info("verifier %s ready: backend=%s placement=%s", self.replica_id, self.engine.backend, cfg.placement)
+
+    def _make_publisher(self, cfg):
+        """Publish this replica's prefix blocks to the KV directory the router reads."""
+        pool = self.engine.kv.prefix
+        if not cfg.kvdir.url or pool is None:
+            return None
+        from cluster.kvdir import BlockPublisher, make_directory
+
+        directory = make_directory(cfg.kvdir.url, cfg.name, cfg.models.target, cfg.kvdir.ttl_s)
+        pub = BlockPublisher(directory, self.replica_id, cfg.kvdir.ttl_s, snapshot=pool.hashes)
+        pool.on_change = lambda stored, evicted: (pub.stored(stored), pub.evicted(evicted))
+        try:
+            pub.start()  # Serve runs __init__ on the replica's event loop
+        except RuntimeError:  # built outside Serve: generate() starts it on its loop
+            pass
+        return pub
 
     def _observe(self, obs) -> None:
         self.load.note_step(obs.verify_tokens)
         self.metrics.step(obs)
 
     async def generate(self, call: GenerateCall):
+        if self.publisher is not None:
+            self.publisher.start()  # no-op once running
         try:
             sid, q = self.loop.submit(call.prompt_ids, call.params, call.spec, call.drafter, call.request_id)
         except InvalidRequest as e:
@@ -96,6 +116,7 @@ class Verifier:
                 if finished:
                     pc = self.engine.kv.prefix
                     self.metrics.finished(out.stats["timing"], itl, pc.stats.hit_rate if pc else 0.0)
+                    out.replica = self.replica_id  # the Router reports it (GenerateResponse.replica)
                 yield out
         finally:
             if not finished:  # cancelled by the caller, or its deadline passed: free everything
@@ -104,6 +125,9 @@ class Verifier:
     def stats(self) -> dict:
         with self.loop.lock:
             s = self.engine.stats()
+            pc = self.engine.kv.prefix
+            if pc is not None:  # counts, so a benchmark can take the hit rate of one phase
+                s.update(prefix_queries=pc.stats.queries, prefix_hits=pc.stats.hits)
         ctrl = self.engine.controller
         s.update(replica=self.replica_id, node_id=self.node_id, gamma=ctrl.snapshot().get("gamma", 0) if ctrl else self.engine.cfg.gamma,
                  verify_tokens=int(self.load.report().get("verify_tokens", 0.0)))
@@ -139,9 +163,16 @@ class Verifier:
                 log.debug("stats report failed: %s", e)
             time.sleep(1.0)
 
-    def __del__(self):
+    async def __del__(self):
+        """Serve awaits this on clean shutdown: drop our directory entries now, not a TTL later."""
         if getattr(self, "loop", None):
             self.loop.stop()
+        if getattr(self, "publisher", None) is not None:
+            try:
+                await asyncio.wait_for(self.publisher.stop(), timeout=2.0)
+            except asyncio.TimeoutError:
+                log.warning("kv directory cleanup timed out; entries expire after %ss", self.cfg.kvdir.ttl_s)
+            await self.publisher.directory.close()
 
 
 @serve.deployment(name="StatsBoard", num_replicas=1, ray_actor_options={"num_cpus": 0})
