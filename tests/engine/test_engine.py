@@ -121,6 +121,7 @@ def test_prefix_cache_checks_tokens_on_hash_hit(engine):
     (dict(), None, "eagle", "unknown drafter"),
 ])
 def test_bad_input_is_refused_and_leaks_nothing(engine, kwargs, spec, drafter, match):
+    kwargs = dict(kwargs)
     prompt = kwargs.pop("prompt", "ok")
     with pytest.raises(InvalidRequest, match=match):
         engine.add_request(prompt, SamplingParams(**kwargs), spec, drafter)

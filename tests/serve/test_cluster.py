@@ -153,6 +153,7 @@ def test_deadline_frees_its_sequence(app, serve_grpc):
 ])
 def test_invalid_argument(app, kwargs, needle):
     _, _, client = app
+    kwargs = dict(kwargs)  # parametrized dicts are shared between the two placements
     prompt = kwargs.pop("prompt", "x = ")
     with pytest.raises(grpc.RpcError) as e:
         client.generate(prompt, **{"max_tokens": 8, **kwargs})

@@ -1,0 +1,255 @@
+"""k8s/: each kustomization renders, its RayService passes the KubeRay CRD's v1 schema (with
+the API server's strict unknown-field check), its serveConfigV2 is deploy/serve_config.yaml's
+application up to the intended overlay differences, verifiers land on Hopper GPUs in the
+hopper overlay, and the Redis password only ever comes from a Secret.
+
+Rendering: `kustomize build` or `kubectl kustomize` when installed, else kustomize_lite (the
+subset k8s/ uses); with kubectl present the two are checked to agree.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.deploy import kustomize_lite
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "k8s"
+KUSTOMIZATIONS = ["base", "overlays/dev", "overlays/hopper"]
+SECRET = {"name": "spec-cluster-redis", "key": "password"}
+
+
+def _strict(schema):
+    """Unknown fields are errors, as for `kubectl apply` (strict field validation); the CRD
+    leaves that to the API server, so jsonschema alone would accept typos."""
+    if isinstance(schema, dict):
+        schema = {k: _strict(v) for k, v in schema.items()}
+        if ("properties" in schema and "additionalProperties" not in schema
+                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_strict(x) for x in schema]
+    return schema
+
+
+@pytest.fixture(scope="module")
+def validator():
+    jsonschema = pytest.importorskip("jsonschema")
+    raw = json.loads((Path(__file__).parent / "schemas" / "rayservice-v1.json").read_text())
+    return jsonschema.Draft7Validator(_strict(raw["openAPIV3Schema"]))
+
+
+_cache: dict[str, list[dict]] = {}
+
+
+def render(name: str) -> list[dict]:
+    if name not in _cache:
+        _cache[name] = kustomize_lite.kubectl_render(K8S / name) or kustomize_lite.render(K8S / name)
+    return copy.deepcopy(_cache[name])
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    [doc] = [d for d in docs if d["kind"] == kind]
+    return doc
+
+
+def groups(rs: dict) -> dict[str, dict]:
+    return {g["groupName"]: g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+
+
+def ray_pods(rs: dict) -> list[dict]:
+    rc = rs["spec"]["rayClusterConfig"]
+    return [rc["headGroupSpec"]] + rc["workerGroupSpecs"]
+
+
+def serve_config_v2(rs: dict) -> dict:
+    return yaml.safe_load(rs["spec"]["serveConfigV2"])
+
+
+def deploy_serve_config() -> dict:
+    return yaml.safe_load((REPO / "deploy" / "serve_config.yaml").read_text())
+
+
+def leaves(doc, path: str = "") -> dict[str, object]:
+    if isinstance(doc, dict):
+        return {k: v for key, val in doc.items() for k, v in leaves(val, f"{path}/{key}").items()}
+    if isinstance(doc, list) and doc:
+        return {k: v for i, val in enumerate(doc) for k, v in leaves(val, f"{path}/{i}").items()}
+    return {path: doc}
+
+
+def differing(a: dict, b: dict) -> set[str]:
+    la, lb = leaves(a), leaves(b)
+    return {k for k in la.keys() | lb.keys() if la.get(k, KeyError) != lb.get(k, KeyError)}
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_rayservice_matches_the_crd(name, validator):
+    rs = one(render(name), "RayService")
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(rs)]
+    assert not errors, "\n".join(errors)
+
+
+def test_strict_schema_rejects_a_misspelled_field(validator):
+    rs = one(render("overlays/dev"), "RayService")
+    rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplica"] = 3
+    assert any("maxReplica" in e.message for e in validator.iter_errors(rs))
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_serve_config_v2_is_a_valid_serve_config(name):
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(serve_config_v2(one(render(name), "RayService")))
+
+
+@pytest.mark.parametrize("name", ["base", "overlays/dev"])
+def test_cpu_serve_config_v2_is_deploy_serve_config_with_redis(name):
+    v2 = serve_config_v2(one(render(name), "RayService"))
+    assert differing(v2, deploy_serve_config()) == {"/applications/0/args/cluster/kvdir/url"}
+    assert v2["applications"][0]["args"]["cluster"]["kvdir"]["url"] == "redis://redis:6379/0"
+
+
+def test_hopper_serve_config_v2_differs_only_in_cluster_and_sizes():
+    from cluster.deploy_config import render as generate
+
+    v2 = serve_config_v2(one(render("overlays/hopper"), "RayService"))
+    assert v2 == yaml.safe_load(generate("configs/hopper.yaml"))
+    allowed = ("/applications/0/args/cluster/", "/applications/0/deployments/")
+    assert all(p.startswith(allowed) for p in differing(v2, deploy_serve_config()))
+    app = v2["applications"][0]
+    assert [d["name"] for d in app["deployments"]] == ["Router", "Verifier", "Drafter"]
+    assert app["args"]["cluster"]["models"]["target"].startswith("/models/")
+
+
+def ray_resources(group: dict, head: bool = False) -> dict:
+    """The group's resources as Ray's KubeRay autoscaler reads them."""
+    from ray.autoscaler._private.kuberay.autoscaling_config import _get_ray_resources_from_group_spec
+
+    return _get_ray_resources_from_group_spec(group, is_head=head)
+
+
+def demand(ray_actor_options: dict) -> dict:
+    """Ray resources one replica asks for (accelerator_type becomes a tiny custom resource)."""
+    need = {"CPU": ray_actor_options.get("num_cpus", 1), "GPU": ray_actor_options.get("num_gpus", 0)}
+    if "accelerator_type" in ray_actor_options:
+        need[f"accelerator_type:{ray_actor_options['accelerator_type']}"] = 0.001
+    return {k: v for k, v in need.items() if v}
+
+
+def fits(need: dict, have: dict) -> bool:
+    return all(have.get(k, 0) >= v for k, v in need.items())
+
+
+def test_hopper_verifiers_only_fit_the_hopper_group():
+    from ray.util.accelerators import NVIDIA_H100
+
+    from cluster.policy.config import load_autoscaling
+
+    rs = one(render("overlays/hopper"), "RayService")
+    g = groups(rs)
+    verifier, drafter = g["verifier"], g["drafter"]
+    pod = verifier["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert re.fullmatch(r"NVIDIA-H(100|200).*", pod["nodeSelector"]["nvidia.com/gpu.product"])
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+
+    entries = {d["name"]: d for d in serve_config_v2(rs)["applications"][0]["deployments"]}
+    need = demand(entries["Verifier"]["ray_actor_options"])
+    assert need.get("GPU") == 1 and f"accelerator_type:{NVIDIA_H100}" in need
+    assert fits(need, ray_resources(verifier))
+    assert not fits(need, ray_resources(drafter))
+    assert not fits(need, ray_resources(rs["spec"]["rayClusterConfig"]["headGroupSpec"], head=True))
+    for name in ("Router", "Drafter"):  # CPU replicas fit the CPU group
+        assert fits(demand(entries[name]["ray_actor_options"]), ray_resources(drafter))
+
+    # the groups can hold what Serve autoscaling may ask for (one verifier per GPU pod)
+    scaling = load_autoscaling(REPO / "configs" / "autoscaling.yaml")
+    assert verifier["maxReplicas"] * ray_resources(verifier)["GPU"] >= scaling.verifier.max_replicas
+    per_pod = ray_resources(drafter)["CPU"] // demand(entries["Drafter"]["ray_actor_options"])["CPU"]
+    assert drafter["maxReplicas"] * per_pod >= scaling.drafter.max_replicas
+    for group in (verifier, drafter):
+        volumes = group["template"]["spec"]["volumes"]
+        claims = [v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v]
+        assert claims == ["spec-cluster-models"]
+    assert one(render("overlays/hopper"), "PersistentVolumeClaim")["metadata"]["name"] == "spec-cluster-models"
+
+
+@pytest.mark.parametrize("name", ["base", "overlays/dev"])
+def test_cpu_overlays_request_no_gpus(name):
+    rc = one(render(name), "RayService")["spec"]["rayClusterConfig"]
+    assert "nvidia.com/gpu" not in json.dumps(rc)
+    assert not ray_resources(rc["headGroupSpec"], head=True).get("GPU")
+    assert not any(ray_resources(g).get("GPU") for g in rc["workerGroupSpecs"])
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_head_runs_no_replicas_and_exposes_dashboard_grpc_http(name):
+    rs = one(render(name), "RayService")
+    rc = rs["spec"]["rayClusterConfig"]
+    head = rc["headGroupSpec"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    container = head["template"]["spec"]["containers"][0]
+    assert "nvidia.com/gpu" not in json.dumps(container["resources"])
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}  # the head Service's ports
+    assert ports["dashboard"] == 8265 and ports["grpc"] == 9000 and ports["serve"] == 8000
+    serve_ports = {p["name"]: p["port"] for p in rs["spec"]["serveService"]["spec"]["ports"]}
+    assert serve_ports == {"grpc": 9000, "serve": 8000}
+    v2 = serve_config_v2(rs)
+    assert v2["grpc_options"]["port"] == 9000 and v2["http_options"]["port"] == 8000
+    env = {e["name"] for e in container["env"]}
+    assert {"RAY_GRAFANA_HOST", "RAY_PROMETHEUS_HOST"} <= env
+    assert rc["enableInTreeAutoscaling"] is True and rc["autoscalerOptions"]
+    for group in rc["workerGroupSpecs"]:
+        assert group["minReplicas"] <= group.get("replicas", group["minReplicas"]) <= group["maxReplicas"]
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_redis_password_comes_from_a_secret(name):
+    docs = render(name)
+    rs = one(docs, "RayService")
+    containers = [c for g in ray_pods(rs) for c in g["template"]["spec"]["containers"]]
+    if name != "base":
+        redis = one(docs, "StatefulSet")
+        assert "$(REDIS_PASSWORD)" in redis["spec"]["template"]["spec"]["containers"][0]["args"]
+        containers += redis["spec"]["template"]["spec"]["containers"]
+        assert one(docs, "Service")["metadata"]["name"] == "redis"
+    for c in containers:
+        [env] = [e for e in c["env"] if e["name"] == "REDIS_PASSWORD"]
+        assert env == {"name": "REDIS_PASSWORD", "valueFrom": {"secretKeyRef": SECRET}}
+    url = serve_config_v2(rs)["applications"][0]["args"]["cluster"]["kvdir"]["url"]
+    assert url == "redis://redis:6379/0"  # no password in the config
+    secrets = [d for d in docs if d["kind"] == "Secret"]
+    if name == "overlays/dev":
+        assert [s["metadata"]["name"] for s in secrets] == [SECRET["name"]]
+    else:  # created out of band (docs/deploy.md), never committed
+        assert not secrets
+
+
+def test_images_and_ray_version_agree():
+    import ray
+
+    for name in KUSTOMIZATIONS:
+        rs = one(render(name), "RayService")
+        assert rs["spec"]["rayClusterConfig"]["rayVersion"] == ray.__version__
+        images = {c["image"] for g in ray_pods(rs) for c in g["template"]["spec"]["containers"]}
+        assert len(images) == 1, images
+    assert images == {"registry.example.com/spec-cluster:0.1.0-hopper"}
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert f"ARG RAY_TAG={ray.__version__}-py311" in dockerfile
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_lite_renderer_agrees_with_kustomize(name):
+    real = kustomize_lite.kubectl_render(K8S / name)
+    if real is None:
+        pytest.skip("neither kustomize nor kubectl installed")
+    key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
+    assert sorted(real, key=key) == sorted(kustomize_lite.render(K8S / name), key=key)

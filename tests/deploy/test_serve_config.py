@@ -1,0 +1,101 @@
+"""deploy/serve_config.yaml and the serveConfigV2 patches: fresh (what cluster.deploy_config
+writes now), valid for Ray Serve, and equivalent to the typed configs they come from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cluster import deploy_config
+from cluster.config import load_config, parse_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = ["configs/cluster.yaml", "configs/hopper.yaml"]
+
+
+def test_committed_files_are_fresh(capsys):
+    assert deploy_config.main(["--check"]) == 0, capsys.readouterr().err
+
+
+def test_check_fails_on_a_stale_or_missing_file(tmp_path, capsys):
+    out = tmp_path / "serve_config.yaml"
+    args = ["--config", "configs/cluster.yaml", "--out", str(out)]
+    assert deploy_config.main(args + ["--check"]) == 1  # missing
+    assert deploy_config.main(args) == 0
+    assert deploy_config.main(args + ["--check"]) == 0
+    out.write_text(out.read_text().replace("max_num_seqs: 32", "max_num_seqs: 33"))
+    assert deploy_config.main(args + ["--check"]) == 1
+    assert "max_num_seqs: 33" in capsys.readouterr().err  # the diff says what drifted
+
+
+def test_bad_config_fails_without_writing(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine: {max_num_seqs: 0}\n")
+    out = tmp_path / "out.yaml"
+    assert deploy_config.main(["--config", str(bad), "--out", str(out)]) == 2
+    assert not out.exists()
+
+
+def test_serve_config_file_is_a_serve_deploy_schema():
+    from ray.serve.schema import ServeDeploySchema
+
+    from cluster.serve.app import SERVICERS
+
+    doc = yaml.safe_load((REPO / "deploy" / "serve_config.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(doc)
+    assert schema.grpc_options.port == 9000
+    assert schema.grpc_options.grpc_servicer_functions == SERVICERS
+    assert schema.http_options.port == 8000 and schema.http_options.host == "0.0.0.0"
+    [app] = schema.applications
+    assert (app.name, app.route_prefix, app.import_path) == ("spec-cluster", "/spec", deploy_config.IMPORT_PATH)
+    assert [d.name for d in app.deployments] == ["Router", "Verifier", "Drafter"]
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_inline_args_rebuild_the_config(path):
+    """What the builder gets on the cluster is the file's config, less the two local-only
+    fields (the autoscaling file goes into the deployment entries)."""
+    cfg = load_config(REPO / path)
+    doc = yaml.safe_load(deploy_config.render(path))
+    rebuilt = parse_config(doc["applications"][0]["args"]["cluster"])
+    url = None if cfg.kvdir.url == "embedded" else cfg.kvdir.url
+    expected = cfg.model_copy(update={"autoscaling_file": None,
+                                      "kvdir": cfg.kvdir.model_copy(update={"url": url})})
+    assert rebuilt == expected
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_deployment_entries_are_what_the_config_asks_for(path):
+    """Replicas, autoscaling and resources of each entry, checked against the typed config
+    (independently of how deploy_config derives them)."""
+    from cluster.policy.config import load_autoscaling
+
+    cfg = load_config(REPO / path)
+    entries = {d["name"]: d for d in yaml.safe_load(deploy_config.render(path))["applications"][0]["deployments"]}
+    scaling = load_autoscaling(REPO / cfg.autoscaling_file) if cfg.autoscaling_file else None
+    for name, section in (("Verifier", cfg.verifier), ("Drafter", cfg.drafter)):
+        e = entries[name]
+        assert e["ray_actor_options"] == {"num_cpus": 1, **section.ray_actor_options}
+        assert e["max_ongoing_requests"] == section.max_ongoing_requests
+        if section.autoscaling and scaling:
+            policy = getattr(scaling, name.lower()).serve_autoscaling_config()
+            assert e["autoscaling_config"] == policy and "num_replicas" not in e
+        else:
+            assert e["num_replicas"] == section.num_replicas and "autoscaling_config" not in e
+    assert entries["Router"]["max_ongoing_requests"] == 2 * cfg.router.max_inflight
+
+
+def test_colocated_placement_has_no_drafter_entry():
+    names = [d["name"] for d in deploy_config.deployment_entries(parse_config({"placement": "colocated"}))]
+    assert names == ["Router", "Verifier"]
+
+
+def test_hopper_verifier_uses_rays_h100_accelerator_name():
+    from ray.util.accelerators import NVIDIA_H100
+
+    cfg = load_config(REPO / "configs" / "hopper.yaml")
+    assert cfg.verifier.ray_actor_options["accelerator_type"] == NVIDIA_H100
+    assert cfg.verifier.ray_actor_options["num_gpus"] == 1
+    assert (cfg.models.dtype, cfg.models.attention) == ("bfloat16", "fa3")

@@ -1,0 +1,151 @@
+"""`serve run deploy/serve_config.yaml` for real: the CLI, in a subprocess, against a
+`ray start --head` cluster of its own, then one Generate call through the gRPC proxy.
+
+The cluster gets its own temp dir and ports (other Ray clusters on the machine are left
+alone; `ray stop` would kill them all) and is stopped through its `ray start --block`
+process. The only edits to the served file: free ports instead of 9000/8000 and, until the
+demo pair is trained, a tiny random model pair.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "cluster" / "models" / "demo"
+BIN = Path(sys.executable).parent
+
+pytestmark = pytest.mark.slow
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def tiny_pair(root: Path) -> tuple[str, str]:
+    """A random Llama pair with a 512-token BPE tokenizer (seconds to make)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train([str(p) for p in sorted((Path(os.__file__).parent / "json").glob("*.py"))],
+              trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    for name, hidden, layers in (("target", 64, 2), ("draft", 32, 1)):
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(
+            vocab_size=512, hidden_size=hidden, num_attention_heads=4, num_key_value_heads=2,
+            num_hidden_layers=layers, intermediate_size=2 * hidden, max_position_embeddings=1024,
+            eos_token_id=0, bos_token_id=0, tie_word_embeddings=True)).save_pretrained(root / name)
+        fast.save_pretrained(root / name)
+    return str(root / "target"), str(root / "draft")
+
+
+def wait_for(pred, timeout: float, proc: subprocess.Popen | None = None) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        if proc is not None and proc.poll() is not None:
+            return False
+        time.sleep(0.5)
+    return False
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """`ray start --head --block` in its own session; yields its GCS address."""
+    gcs, client, dashboard, agent, agent_grpc, metrics, runtime_env = free_ports(7)
+    temp_dir = tempfile.mkdtemp(prefix="rsr", dir="/tmp")  # unix socket paths must stay short
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           # Ray 2.60's `ray start` turns token auth on when ~/.ray/auth_token exists, and
+           # `serve run` must then present the token: give both one of our own.
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    for var in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(var, None)
+    log = tmp_path / "ray_start.log"
+    cmd = [str(BIN / "ray"), "start", "--head", "--block", f"--temp-dir={temp_dir}", f"--port={gcs}",
+           f"--ray-client-server-port={client}", f"--dashboard-port={dashboard}",
+           f"--dashboard-agent-listen-port={agent}",
+           f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
+           f"--runtime-env-agent-port={runtime_env}", "--include-dashboard=false", "--num-cpus=4",
+           "--disable-usage-stats"]
+    with open(log, "w") as out:
+        head = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        if not wait_for(lambda: "Ray runtime started" in log.read_text(), 90, head):
+            pytest.fail(f"ray start failed\n{log.read_text()[-3000:]}")
+        yield f"127.0.0.1:{gcs}", env
+    finally:
+        head.send_signal(signal.SIGTERM)  # --block: stops the processes it started
+        try:
+            head.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(head.pid, signal.SIGKILL)  # whatever of its session is left
+        except ProcessLookupError:
+            pass
+
+
+def test_serve_run_config_file_serves_generate(ray_head, tmp_path):
+    from cluster.client import Client
+
+    address, env = ray_head
+    grpc_port, http_port = free_ports(2)
+    doc = yaml.safe_load((REPO / "deploy" / "serve_config.yaml").read_text())
+    doc["grpc_options"]["port"], doc["http_options"]["port"] = grpc_port, http_port
+    args = doc["applications"][0]["args"]["cluster"]
+    if not (DEMO / "target" / "config.json").exists():
+        target, draft = tiny_pair(tmp_path / "models")
+        args["models"].update(target=target, draft=draft)
+    config = tmp_path / "serve_config.yaml"
+    config.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+    log = tmp_path / "serve_run.log"
+    with open(log, "w") as out:  # cwd elsewhere: the inline config needs no files
+        run = subprocess.run([str(BIN / "serve"), "run", "--non-blocking", "--address", address, str(config)],
+                             cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=120)
+    assert run.returncode == 0, log.read_text()[-3000:]
+
+    client = Client(f"localhost:{grpc_port}", timeout=10)
+    result = {}
+
+    def generated() -> bool:
+        try:
+            result["r"] = client.generate("def foo(", max_tokens=8)
+            return True
+        except Exception as e:  # proxy up before the app, or replicas still starting
+            result["error"] = e
+            return False
+
+    try:
+        if not wait_for(generated, 150):
+            pytest.fail(f"no Generate answer after 150 s: {result.get('error')!r}")
+        r = result["r"]
+        assert r.token_ids and r.finish_reason in ("length", "stop")
+        assert client.health() == "SERVING"
+    finally:
+        client.close()
