@@ -12,7 +12,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import jsonpatch
+import copy
+
 import yaml
 
 KNOWN = {"apiVersion", "kind", "resources", "components", "patches", "images"}
@@ -39,11 +40,35 @@ def render(path: Path) -> list[dict]:
         if not hits:
             raise ValueError(f"{path}: patch {p['path']} matches nothing")
         for i in hits:
-            docs[i] = jsonpatch.apply_patch(docs[i], ops)
+            docs[i] = apply_json6902(docs[i], ops)
     for image in k.get("images", []):
         for d in docs:
             _set_image(d, image)
     return docs
+
+
+def apply_json6902(doc: dict, ops: list[dict]) -> dict:
+    """RFC 6902 add / replace / remove / test (what k8s/ uses)."""
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        node = doc
+        for p in parents:
+            node = node[int(p)] if isinstance(node, list) else node[p]
+        key = (len(node) if last == "-" else int(last)) if isinstance(node, list) else last
+        kind, value = op["op"], copy.deepcopy(op.get("value"))
+        if kind == "test":
+            if node[key] != value:
+                raise ValueError(f"test failed at {op['path']}: {node[key]!r} != {value!r}")
+        elif kind == "remove":
+            del node[key]
+        elif kind == "add" and isinstance(node, list):
+            node.insert(key, value)
+        elif kind == "add" or (kind == "replace" and (isinstance(node, list) or key in node)):
+            node[key] = value
+        else:
+            raise ValueError(f"cannot {kind} {op['path']}")
+    return doc
 
 
 def _matches(doc: dict, target: dict) -> bool:

@@ -253,3 +253,17 @@ def test_lite_renderer_agrees_with_kustomize(name):
         pytest.skip("neither kustomize nor kubectl installed")
     key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
     assert sorted(real, key=key) == sorted(kustomize_lite.render(K8S / name), key=key)
+
+
+def test_overlay_patches_check_which_group_they_patch():
+    """Overlays patch worker groups by index; a `test` op on groupName guards each, so
+    reordering the base's groups fails the render instead of sizing the wrong group."""
+    base = one(render("base"), "RayService")
+    wg = base["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    wg.reverse()
+    ops = yaml.safe_load((K8S / "overlays" / "hopper" / "rayservice-hopper.yaml").read_text())
+    with pytest.raises(ValueError, match="groupName"):
+        kustomize_lite.apply_json6902(base, ops)
+    wg.reverse()
+    patched = kustomize_lite.apply_json6902(base, ops)
+    assert groups(patched)["verifier"]["maxReplicas"] == 8

@@ -87,6 +87,14 @@ def test_deployment_entries_are_what_the_config_asks_for(path):
     assert entries["Router"]["max_ongoing_requests"] == 2 * cfg.router.max_inflight
 
 
+def test_an_empty_config_gives_a_valid_serve_config():
+    from ray.serve.schema import ServeDeploySchema
+
+    doc = deploy_config.serve_config(parse_config({}))
+    ServeDeploySchema.model_validate(doc)
+    assert parse_config(doc["applications"][0]["args"]["cluster"]).kvdir.url != "embedded"
+
+
 def test_colocated_placement_has_no_drafter_entry():
     names = [d["name"] for d in deploy_config.deployment_entries(parse_config({"placement": "colocated"}))]
     assert names == ["Router", "Verifier"]
