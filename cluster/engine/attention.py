@@ -28,6 +28,9 @@ class AttnContext:
     valid: torch.Tensor       # [B, T] bool, False on padding
     width: int                # T, padded new tokens per row
     max_kv: int               # max over rows of cache_len + T
+    write_src: torch.Tensor   # [N] flat index (b * T + t) of each real new token
+    write_rows: torch.Tensor  # [N] its slot
+    write_cols: torch.Tensor  # [N] its position in the slot
     sdpa_mask: torch.Tensor | None = None  # [B, 1, T, max_kv], built once per step
 
     @classmethod
@@ -36,16 +39,18 @@ class AttnContext:
         t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
         slots_t, lens_t, q_t = t(slots), t(cache_lens), t(q_lens)
         ar = torch.arange(width, device=device)
+        # scatter indices from host lists: no device->host sync inside the layers
+        src = [b * width + i for b, n in enumerate(q_lens) for i in range(n)]
+        rows = [s for s, n in zip(slots, q_lens) for _ in range(n)]
+        cols = [c + i for c, n in zip(cache_lens, q_lens) for i in range(n)]
         return cls(slots_t, lens_t, q_t, lens_t[:, None] + ar, ar[None, :] < q_t[:, None],
-                   width, max(c + width for c in cache_lens))
+                   width, max(c + width for c in cache_lens), t(src), t(rows), t(cols))
 
 
 def write_kv(k, v, k_cache, v_cache, ctx: AttnContext) -> None:
     """Scatter the real (unpadded) new keys/values into their slots."""
-    rows = ctx.slots[:, None].expand(-1, ctx.width)[ctx.valid]
-    cols = ctx.positions[ctx.valid]
-    k_cache[rows, cols] = k[ctx.valid].to(k_cache.dtype)
-    v_cache[rows, cols] = v[ctx.valid].to(v_cache.dtype)
+    k_cache[ctx.write_rows, ctx.write_cols] = k.flatten(0, 1)[ctx.write_src].to(k_cache.dtype)
+    v_cache[ctx.write_rows, ctx.write_cols] = v.flatten(0, 1)[ctx.write_src].to(v_cache.dtype)
 
 
 class SdpaBackend:
