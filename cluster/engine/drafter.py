@@ -60,6 +60,7 @@ def one_hot(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
 
 class Drafter(abc.ABC):
     name = "drafter"
+    remote = False  # True: calls run in another process, so the engine drafts a step ahead
 
     @abc.abstractmethod
     def propose(self, requests: list[DraftRequest]) -> DraftOutput: ...

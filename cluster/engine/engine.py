@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from cluster.engine.drafter import DraftOutput, DraftRequest, Drafter
+from cluster.engine.drafter import DraftOutput, Drafter
+from cluster.engine.drafting import DraftPlanner
 from cluster.engine.hashing import model_seed
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.model import CausalLM, load_model
@@ -57,6 +58,7 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.kv)
         self.drafters = drafters or {}
         self.default_drafter = default_drafter
+        self.planner = DraftPlanner(self.drafters, default_drafter)
         self.eos = tokenizer.eos_token_id
         self.seqs: dict[str, Sequence] = {}
         self.controller = None  # cluster.policy Controller for 'auto' requests; None: cfg.gamma
@@ -167,7 +169,7 @@ class Engine:
             return []
         seqs = [s for s, _ in rows]
         t0 = time.perf_counter()
-        drafts = self._draft(rows)
+        drafts = self.planner.draft(rows)
         t1 = time.perf_counter()
         feeds = [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts.tokens)]
         logits = self.runner.forward([s.slot for s in seqs], [s.num_cached for s in seqs], feeds, last_only=False)
@@ -181,28 +183,6 @@ class Engine:
         if self.on_verify:
             self.on_verify(obs)
         return accepted
-
-    def _draft(self, rows: list[tuple[Sequence, int]]) -> DraftOutput:
-        """One propose call per drafter for the whole batch."""
-        tokens: list[list[int]] = [[] for _ in rows]
-        q_ids, q_probs = [None] * len(rows), [None] * len(rows)
-        by_drafter: dict[str, list[int]] = {}
-        for b, (s, g) in enumerate(rows):
-            if g > 0:
-                by_drafter.setdefault(s.drafter or self.default_drafter, []).append(b)
-        futures = {name: self.drafters[name].propose_async(
-            [DraftRequest(rows[b][0].seq_id, rows[b][0].token_ids, rows[b][1], rows[b][0].params) for b in idx])
-            for name, idx in by_drafter.items()}
-        for name, fut in futures.items():
-            try:
-                res: DraftOutput = fut.result()
-            except Exception as e:  # the drafter is disposable: plain decoding this step
-                log.warning("drafter %s failed (%s); decoding without drafts this step", name, e)
-                continue
-            for j, b in enumerate(by_drafter[name]):
-                tokens[b] = res.tokens[j][: rows[b][1]]
-                q_ids[b], q_probs[b] = res.q_ids[j], res.q_probs[j]
-        return DraftOutput(tokens, q_ids, q_probs)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, drafts: DraftOutput) -> list[list[int]]:
         """logits [B, T, V] at each row's fed positions -> accepted drafts + one new token per row."""

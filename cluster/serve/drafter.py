@@ -8,13 +8,18 @@ the tokens, and a replica without state for a sequence rebuilds it.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from concurrent.futures import Future
 
+import numpy as np
 from ray import serve
 
 from cluster.engine.drafter import Drafter, DraftOutput, DraftRequest
 from cluster.policy.autoscaling import DraftDemandMeter
+
+log = logging.getLogger(__name__)
 
 
 @serve.deployment(name="Drafter")
@@ -27,50 +32,90 @@ class DrafterDeployment:
         self.drafter = build_model_drafter(cfg)
         self.lock = threading.Lock()
         self.demand = DraftDemandMeter()
+        # a verifier that dies never releases its sequences: they expire instead
+        self.ttl_s = cfg.router.drafter_state_ttl_s
+        self.last_used: dict[str, float] = {}
 
     def propose(self, requests: list[DraftRequest], release: list[str], caller: str = "") -> DraftOutput:
         self.demand.note_call(caller, sum(r.k for r in requests))
         with self.lock:
-            self.drafter.release(release)
+            self._forget(release)
+            now = self._expire()
+            self.last_used.update((r.seq_id, now) for r in requests)
             return self.drafter.propose(requests)
 
     def release(self, seq_ids: list[str]) -> None:
         with self.lock:
-            self.drafter.release(seq_ids)
+            self._forget(seq_ids)
 
     def info(self) -> dict:
         """Sequences with draft state here, and where this replica runs."""
         import ray
 
         with self.lock:
+            self._expire()
             return {"sequences": len(self.drafter.state), "node_id": ray.get_runtime_context().get_node_id()}
+
+    def _forget(self, seq_ids: list[str]) -> None:
+        self.drafter.release(seq_ids)
+        for s in seq_ids:
+            self.last_used.pop(s, None)
+
+    def _expire(self) -> float:
+        now = time.monotonic()
+        stale = [s for s, t in self.last_used.items() if now - t > self.ttl_s]
+        if stale:
+            self._forget(stale)
+        return now
 
     def record_autoscaling_stats(self) -> dict:
         return self.demand.report()
 
 
 class _Pending(Future):
-    def __init__(self, response, timeout_s: float):
+    def __init__(self, owner: "RemoteDrafter", response, release: list[str]):
         super().__init__()
-        self.response, self.timeout_s = response, timeout_s
+        self.owner, self.response, self.release = owner, response, release
 
     def result(self, timeout=None):
-        return self.response.result(timeout_s=self.timeout_s)
+        try:
+            out = self.response.result(timeout_s=self.owner.timeout_s)
+        except Exception:
+            self.response.cancel()  # a stale call must not run later on a recovered replica
+            self.owner._failed(self.release)
+            raise
+        self.owner._succeeded()
+        return out
+
+
+def _no_drafts(n: int) -> Future:
+    fut: Future = Future()
+    empty = np.zeros((0, 1), np.int32), np.zeros((0, 1), np.float32)
+    fut.set_result(DraftOutput([[] for _ in range(n)], [empty[0]] * n, [empty[1]] * n))
+    return fut
 
 
 class RemoteDrafter(Drafter):
     """Drafter interface over a Serve handle; failures surface as exceptions the engine
-    treats as 'no drafts this step'."""
+    treats as 'no drafts this step'.
+
+    After a failure the drafter is skipped (empty drafts, no call) for a back-off that
+    doubles up to `MAX_BACKOFF_S`: a dead replica would otherwise cost every step the full
+    timeout until Serve replaces it. The first call after the back-off is the probe."""
 
     name = "model"
+    MIN_BACKOFF_S, MAX_BACKOFF_S = 0.5, 5.0
 
     def __init__(self, handle, timeout_s: float, caller: str):
         self.handle, self.timeout_s, self.caller = handle, timeout_s, caller
         self.pending_release: list[str] = []
+        self.skip_until, self.backoff_s = 0.0, 0.0
 
     def propose_async(self, requests: list[DraftRequest]) -> Future:
+        if time.monotonic() < self.skip_until:
+            return _no_drafts(len(requests))
         release, self.pending_release = self.pending_release, []
-        return _Pending(self.handle.propose.remote(requests, release, self.caller), self.timeout_s)
+        return _Pending(self, self.handle.propose.remote(requests, release, self.caller), release)
 
     def propose(self, requests: list[DraftRequest]) -> DraftOutput:
         return self.propose_async(requests).result()
@@ -82,3 +127,16 @@ class RemoteDrafter(Drafter):
         if self.pending_release:
             release, self.pending_release = self.pending_release, []
             self.handle.release.remote(release)
+
+    def _failed(self, release: list[str]) -> None:
+        # the call may or may not have run; releasing twice is harmless, never releasing leaks
+        self.pending_release[:0] = release
+        if not self.backoff_s:
+            log.warning("drafter unavailable; decoding without drafts, retrying with back-off")
+        self.backoff_s = min(self.MAX_BACKOFF_S, max(self.MIN_BACKOFF_S, 2 * self.backoff_s))
+        self.skip_until = time.monotonic() + self.backoff_s
+
+    def _succeeded(self) -> None:
+        if self.backoff_s:
+            log.info("drafter reachable again; speculation resumes")
+        self.skip_until, self.backoff_s = 0.0, 0.0

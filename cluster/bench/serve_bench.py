@@ -1,0 +1,134 @@
+"""Single-stream speed through the real path (gRPC -> Serve proxy -> Router -> Verifier
+[-> Drafter]) for no speculation, colocated and disaggregated drafting, beside the local
+engine; and the gRPC + Serve overhead on time to first token.
+
+    python -m cluster.bench.serve_bench --out benchmarks/serve_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from tqdm.auto import tqdm
+
+from cluster.bench.report import figure, write_json
+from cluster.bench.workloads import code_prompts
+from cluster.config import parse_config
+
+
+def _measure(gen_fn, prompts, repeats: int) -> dict:
+    toks, secs, ttfts, acc = 0, 0.0, [], []
+    for _ in range(repeats):
+        for p in prompts:
+            t0 = time.perf_counter()
+            first = None
+            n = 0
+            stats = None
+            for ids, final in gen_fn(p):
+                if first is None and ids:
+                    first = time.perf_counter()
+                n += len(ids)
+                stats = final or stats
+            secs += time.perf_counter() - t0
+            toks += n
+            ttfts.append(1e3 * (first - t0))
+            if stats is not None:
+                acc.append(stats)
+    return {"tokens_per_s": toks / secs, "ttft_ms_p50": statistics.median(ttfts),
+            "acceptance_rate": statistics.mean(acc) if acc else 0.0}
+
+
+def local(prompts, args) -> dict:
+    from cluster.engine.sampling import SamplingParams
+    from cluster.engine.sequence import SpecParams
+    from cluster.serve.build import build_engine
+
+    engine = build_engine(parse_config({}))
+    out = {}
+    for name, spec in (("off", SpecParams("off")), ("spec", SpecParams("fixed", args.gamma))):
+        def gen(p, spec=spec):
+            sid = engine.add_request(p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True), spec, None)
+            while engine.has_work:
+                for o in engine.step():
+                    if o.seq_id == sid:
+                        yield o.token_ids, (o.stats["spec"]["acceptance_rate"] if o.finished else None)
+        gen(prompts[0])  # build the generator once: warm-up below
+        list(gen(prompts[0]))
+        out[name] = _measure(gen, prompts, args.repeats)
+    return out
+
+
+def through_grpc(prompts, args, placement: str, port: int) -> dict:
+    from ray import serve
+
+    from cluster.client import Client
+    from cluster.serve.launch import run_app
+
+    name = f"bench-{placement}"
+    run_app(parse_config({"placement": placement, "network": {"grpc_port": port, "app_name": name,
+                                                               "route_prefix": f"/{name}"}}))
+    out = {}
+    with Client(f"localhost:{port}", application=name) as c:
+        for mode, spec in (("off", "off"), ("spec", args.gamma)):
+            def gen(p, spec=spec):
+                for ch in c.generate_stream(p, max_tokens=args.new_tokens, speculation=spec):
+                    yield list(ch.token_ids), (ch.spec.acceptance_rate if ch.final else None)
+            list(gen(prompts[0]))  # warm-up (drafter state, compile caches)
+            out[mode] = _measure(gen, prompts, args.repeats)
+    serve.delete(name)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/serve_cpu")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--port", type=int, default=9310)
+    args = ap.parse_args(argv)
+    import ray
+
+    from cluster.serve.launch import shutdown, start_serve
+
+    prompts = code_prompts(args.prompts, seed=1)
+    results = {}
+    bar = tqdm(total=3, desc="serve bench")
+    results["local"] = local(prompts, args)
+    bar.update()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    start_serve(parse_config({"network": {"grpc_port": args.port, "http_port": args.port + 1}}), "HeadOnly")
+    for placement in ("colocated", "disaggregated"):
+        results[placement] = through_grpc(prompts, args, placement, args.port)
+        bar.update()
+    shutdown()
+    summary = {
+        "disaggregated_over_colocated": results["disaggregated"]["spec"]["tokens_per_s"]
+        / results["colocated"]["spec"]["tokens_per_s"],
+        "ttft_overhead_ms": results["colocated"]["off"]["ttft_ms_p50"] - results["local"]["off"]["ttft_ms_p50"],
+    }
+    path = write_json(args.out, "serve_bench", {"new_tokens": args.new_tokens, "gamma": args.gamma,
+                                                "results": results, "summary": summary})
+    plt = figure()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = ["local engine", "gRPC colocated", "gRPC disaggregated"]
+    keys = ["local", "colocated", "disaggregated"]
+    x = range(len(keys))
+    ax.bar([i - 0.2 for i in x], [results[k]["off"]["tokens_per_s"] for k in keys], 0.4, label="speculation off")
+    ax.bar([i + 0.2 for i in x], [results[k]["spec"]["tokens_per_s"] for k in keys], 0.4,
+           label=f"draft model, gamma {args.gamma}")
+    ax.set_xticks(list(x), labels)
+    ax.set(ylabel="tokens/s (single stream, greedy)", title="Demo pair on CPU: through Ray Serve + gRPC")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=120)
+    print(summary)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

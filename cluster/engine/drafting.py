@@ -1,0 +1,101 @@
+"""Per-step drafting: one propose call per drafter for the whole batch.
+
+For a drafter in another process (`Drafter.remote`), the next step's drafts are asked for
+while this step verifies, on the assumption that every draft is accepted and the bonus
+token is the drafter's own next guess: the request is `tokens + drafts` for gamma + 1
+tokens, whose first is that guess. When the verify pass bears the assumption out, the next
+step starts with its drafts already in hand; otherwise they are dropped and drafted fresh.
+Either way the verifier decides every token, so the guess only ever costs time.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from cluster.engine.drafter import Drafter, DraftOutput, DraftRequest
+from cluster.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Ahead:
+    future: Future
+    rows: dict[str, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (row in reply, tokens assumed)
+
+
+class DraftPlanner:
+    def __init__(self, drafters: dict[str, Drafter], default: str | None):
+        self.drafters, self.default = drafters, default
+        self.ahead: dict[str, _Ahead] = {}
+        self.counts = {"ahead_hits": 0, "ahead_misses": 0, "failures": 0}
+
+    def draft(self, rows: list[tuple[Sequence, int]]) -> DraftOutput:
+        n = len(rows)
+        out = DraftOutput([[] for _ in rows], [None] * n, [None] * n)
+        groups: dict[str, list[int]] = {}
+        for b, (s, g) in enumerate(rows):
+            if g > 0:
+                groups.setdefault(s.drafter or self.default, []).append(b)
+        fresh = {name: self._take_ahead(name, idx, rows, out) for name, idx in groups.items()}
+        calls = {name: self.drafters[name].propose_async([self._request(rows[b]) for b in idx])
+                 for name, idx in fresh.items() if idx}
+        for name, fut in calls.items():
+            res = self._result(name, fut)
+            if res is not None:
+                for j, b in enumerate(fresh[name]):
+                    self._fill(out, b, res, j, 0, rows[b][1])
+        for name, idx in groups.items():
+            if self.drafters[name].remote:
+                self._ask_ahead(name, idx, rows, out)
+        return out
+
+    @staticmethod
+    def _request(row: tuple[Sequence, int]) -> DraftRequest:
+        s, g = row
+        return DraftRequest(s.seq_id, s.token_ids, g, s.params)
+
+    @staticmethod
+    def _fill(out: DraftOutput, b: int, res: DraftOutput, j: int, start: int, g: int) -> None:
+        out.tokens[b] = res.tokens[j][start:start + g]
+        out.q_ids[b] = res.q_ids[j][start:start + g]
+        out.q_probs[b] = res.q_probs[j][start:start + g]
+
+    def _result(self, name: str, fut: Future) -> DraftOutput | None:
+        try:
+            return fut.result()
+        except Exception as e:  # the drafter is disposable: plain decoding for these rows
+            self.counts["failures"] += 1
+            log.warning("drafter %s failed (%s); decoding without drafts this step", name, e)
+            return None
+
+    def _take_ahead(self, name: str, idx: list[int], rows, out: DraftOutput) -> list[int]:
+        """Use drafts asked for last step where the assumption held; return rows still to draft."""
+        ahead = self.ahead.pop(name, None)
+        res = self._result(name, ahead.future) if ahead else None
+        if res is None:
+            return idx
+        rest = []
+        for b in idx:
+            s, g = rows[b]
+            j, assumed = ahead.rows.get(s.seq_id, (-1, -1))
+            guess = res.tokens[j] if j >= 0 else []
+            if len(s.token_ids) == assumed + 1 and len(guess) > 1 and guess[0] == s.token_ids[-1]:
+                self._fill(out, b, res, j, 1, g)
+                self.counts["ahead_hits"] += 1
+            else:
+                rest.append(b)
+                self.counts["ahead_misses"] += 1
+        return rest
+
+    def _ask_ahead(self, name: str, idx: list[int], rows, out: DraftOutput) -> None:
+        reqs, ahead_rows = [], {}
+        for b in idx:
+            s, g = rows[b]
+            if out.tokens[b]:
+                ahead_rows[s.seq_id] = (len(reqs), len(s.token_ids) + len(out.tokens[b]))
+                reqs.append(DraftRequest(s.seq_id, s.token_ids + out.tokens[b], g + 1, s.params))
+        if reqs:
+            self.ahead[name] = _Ahead(self.drafters[name].propose_async(reqs), ahead_rows)
