@@ -96,15 +96,24 @@ class RouterSection(_Strict):
     """max_tokens when a request leaves it 0."""
     api_keys: list[str] = Field(default_factory=list)
     """If non-empty, requests need `authorization: Bearer <key>` with one of these."""
+    api_keys_env: str | None = None
+    """Name of an environment variable (in the router's process) holding more keys,
+    comma-separated: keeps keys out of the config, e.g. a Kubernetes Secret as env."""
     per_client_concurrency: int = Field(64, ge=1)
     """Concurrent requests per API key (or per peer without keys)."""
     drafter_timeout_s: float = Field(2.0, gt=0)
     """A draft call slower than this is dropped; the step decodes plainly."""
+    drafter_state_ttl_s: float = Field(60.0, gt=0)
+    """A drafter forgets a sequence no draft call has named for this long: its verifier
+    died before releasing it. A live sequence dropped early is only rebuilt from its tokens."""
 
 
 class NetworkSection(_Strict):
     grpc_port: int = Field(9000, ge=1, le=65535)
     http_port: int = Field(8000, ge=1, le=65535)
+    max_message_bytes: int = Field(4 * 1024 * 1024, ge=4096)
+    """Largest gRPC message the proxies take or send (RESOURCE_EXHAUSTED above it); Serve's
+    own default is 2 GiB. Set through the Serve controller's env, which proxies inherit."""
     app_name: str = "spec-cluster"
     route_prefix: str = "/spec"
 

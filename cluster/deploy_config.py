@@ -103,6 +103,7 @@ def deployment_entries(cfg: ClusterConfig) -> list[dict]:
 def serve_config(cfg: ClusterConfig) -> dict:
     """The Serve config document (ray.serve.schema.ServeDeploySchema) for `cfg`."""
     from cluster.serve.app import SERVICERS
+    from cluster.serve.launch import controller_options
 
     net, args = cfg.network, inline_args(cfg)
     # Entries from the app the cluster will build (the inline config) with the autoscaling
@@ -112,6 +113,7 @@ def serve_config(cfg: ClusterConfig) -> dict:
         "proxy_location": "EveryNode",
         "http_options": {"host": "0.0.0.0", "port": net.http_port},
         "grpc_options": {"port": net.grpc_port, "grpc_servicer_functions": list(SERVICERS)},
+        "controller_options": controller_options(cfg),
         "applications": [{
             "name": net.app_name,
             "route_prefix": net.route_prefix,

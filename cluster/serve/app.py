@@ -18,7 +18,7 @@ from cluster.serve.verifier import StatsBoard, Verifier
 
 log = logging.getLogger(__name__)
 
-SERVICERS = ["cluster.proto.generation_pb2_grpc.add_GenerationServicer_to_server",
+SERVICERS = ["cluster.serve.wire.add_GenerationServicer_to_server",  # generated one, lenient decoding
              "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"]
 
 

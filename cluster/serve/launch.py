@@ -49,10 +49,17 @@ def start_embedded_kvdir(cfg: ClusterConfig) -> ClusterConfig:
     return cfg.model_copy(update={"kvdir": cfg.kvdir.model_copy(update={"url": url})})
 
 
+def controller_options(cfg: ClusterConfig) -> dict:
+    """The proxies' message size limit is an env var Serve reads at import; proxies are
+    started by the controller and inherit its env."""
+    return {"runtime_env": {"env_vars": {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(cfg.network.max_message_bytes)}}}
+
+
 def start_serve(cfg: ClusterConfig, proxy_location: str = "EveryNode") -> None:
     """Serve's proxies take their ports once, when Serve first starts on a Ray cluster."""
     serve.start(grpc_options=grpc_options(cfg), proxy_location=proxy_location,
-                http_options=HTTPOptions(host="0.0.0.0", port=cfg.network.http_port))
+                http_options=HTTPOptions(host="0.0.0.0", port=cfg.network.http_port),
+                controller_options=controller_options(cfg))
 
 
 def run_app(cfg: ClusterConfig, blocking: bool = False) -> None:

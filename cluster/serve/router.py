@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
+import traceback
 import uuid
 from collections import Counter
 
@@ -19,8 +21,10 @@ from cluster.engine.sampling import InvalidRequest, SamplingParams
 from cluster.engine.sequence import SpecParams
 from cluster.proto import generation_pb2 as pb
 from cluster.serve.verifier import ErrorOutput, GenerateCall
+from cluster.serve.wire import Undecodable
 
 log = logging.getLogger(__name__)
+MAX_REQUEST_ID = 128  # it becomes the sequence id and appears in logs
 MODES = {pb.Speculation.UNSPECIFIED: "auto", pb.Speculation.AUTO: "auto", pb.Speculation.OFF: "off",
          pb.Speculation.FIXED: "fixed"}
 
@@ -29,6 +33,32 @@ class Status(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code, self.message = code, message
+
+
+def _short(value: str, n: int = 40) -> str:
+    """A client's string echoed in a status: bounded, so a hostile one cannot blow the
+    trailer size limit or fill the logs."""
+    return repr(value) if len(value) <= n else repr(value[:n]) + f"... ({len(value)} chars)"
+
+
+def _internal(e: Exception) -> Status:
+    # an unexpected error: log its type and where, not its message (it may quote the prompt)
+    where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+    log.error("internal error in the router: %s at %s:%s", type(e).__name__,
+              where.filename if where else "?", where.lineno if where else "?")
+    return Status(grpc.StatusCode.INTERNAL, f"internal error ({type(e).__name__})")
+
+
+def _api_keys(r) -> list[str]:
+    """Keys from the config plus `api_keys_env`; a named variable that holds none is an
+    error, not an open door."""
+    keys = list(r.api_keys)
+    if r.api_keys_env:
+        extra = [k.strip() for k in os.environ.get(r.api_keys_env, "").split(",") if k.strip()]
+        if not extra:
+            raise RuntimeError(f"router.api_keys_env names {r.api_keys_env}, which holds no keys in this process")
+        keys += extra
+    return keys
 
 
 def _finish(msg, spec: dict, timing: dict, reason: str):
@@ -47,6 +77,7 @@ class Router:
         self.cfg = ClusterConfig.model_validate(config)
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(self.cfg.models.target))
         self.verifier, self.board = verifier, board
+        self.api_keys = _api_keys(self.cfg.router)
         self.inflight = 0
         self.per_client: Counter[str] = Counter()
         self._info: dict | None = None
@@ -67,6 +98,9 @@ class Router:
         except Status as e:
             self._set_status(grpc_context, e)
             return pb.GenerateResponse()
+        except Exception as e:  # noqa: BLE001 - never a raw traceback to the client
+            self._set_status(grpc_context, _internal(e))
+            return pb.GenerateResponse()
         return resp
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context=None):
@@ -76,8 +110,13 @@ class Router:
                 if out.finished:
                     _finish(chunk, out.stats["spec"], out.stats["timing"], out.finish_reason)
                 yield chunk
-        except Status as e:
-            self._set_status(grpc_context, e)
+        except Exception as e:  # noqa: BLE001 - never a raw traceback to the client
+            status = e if isinstance(e, Status) else _internal(e)
+            self._set_status(grpc_context, status)
+            # Serve ships the context with each yielded message, so a status set after the
+            # last one (or with none) is lost; raising carries it (as gRPCStatusError). A
+            # plain RuntimeError: the proxy must unpickle it without importing this module
+            raise RuntimeError(status.message) from None
 
     async def GetModelInfo(self, request, grpc_context=None) -> pb.ModelInfo:
         i = await self._model_info()
@@ -140,12 +179,13 @@ class Router:
             self._report_inflight()
 
     def _authenticate(self, grpc_context) -> str:
-        keys = self.cfg.router.api_keys
+        keys = self.api_keys
         meta = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
-        if not keys:
-            return "anonymous"
+        if not keys:  # per client host ("ipv4:10.0.0.7:51234" -> "ipv4:10.0.0.7"), not per connection
+            peer = grpc_context.peer() if grpc_context is not None else ""
+            return peer.rpartition(":")[0] or "anonymous"
         token = meta.get("authorization", "")
-        token = token[7:] if token.startswith("Bearer ") else ""
+        token = token[7:] if token[:7].lower() == "bearer " else ""  # the scheme is case-insensitive
         # compare against every key so the time taken does not reveal which one nearly matched
         ok = [hmac.compare_digest(token.encode(), k.encode()) for k in keys]
         if not token or not any(ok):
@@ -155,8 +195,10 @@ class Router:
     async def _validate(self, req: pb.GenerateRequest) -> GenerateCall:
         r = self.cfg.router
         bad = lambda msg: Status(grpc.StatusCode.INVALID_ARGUMENT, msg)  # noqa: E731
+        if isinstance(req, Undecodable):  # see cluster.serve.wire
+            raise bad(f"request does not parse: {req.error}")
         if req.model and req.model not in (self.cfg.models.target, "default"):
-            raise Status(grpc.StatusCode.NOT_FOUND, f"unknown model {req.model!r}; this cluster serves "
+            raise Status(grpc.StatusCode.NOT_FOUND, f"unknown model {_short(req.model)}; this cluster serves "
                                                     f"{self.cfg.models.target!r}")
         if not req.prompt:
             raise bad("prompt is empty")
@@ -166,7 +208,9 @@ class Router:
         if not 1 <= max_tokens <= r.max_tokens_limit:
             raise bad(f"max_tokens must be in [1, {r.max_tokens_limit}], got {req.max_tokens}")
         if req.speculation.mode not in MODES:
-            raise bad(f"unknown speculation mode {req.speculation.mode}")
+            raise bad(f"unknown speculation mode {req.speculation.mode} (AUTO, OFF or FIXED)")
+        if len(req.request_id) > MAX_REQUEST_ID:
+            raise bad(f"request_id has {len(req.request_id)} characters; the limit is {MAX_REQUEST_ID}")
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=req.temperature if req.HasField("temperature") else 0.0,
@@ -181,11 +225,14 @@ class Router:
                 raise InvalidRequest(f"speculation gamma must be in [0, {self.cfg.speculation.gamma_max}], "
                                      f"got {spec.gamma}")
             if req.drafter and req.drafter not in ("model", "ngram"):
-                raise InvalidRequest(f"unknown drafter {req.drafter!r} (model or ngram)")
+                raise InvalidRequest(f"unknown drafter {_short(req.drafter)} (model or ngram)")
         except InvalidRequest as e:
             raise bad(str(e)) from None
         ids = self.tokenizer.encode(req.prompt)
-        limit = (await self._model_info())["max_model_len"]
+        try:
+            limit = (await self._model_info())["max_model_len"]
+        except Exception as e:  # noqa: BLE001 - no verifier answered yet
+            raise Status(grpc.StatusCode.UNAVAILABLE, f"verifier unavailable: {type(e).__name__}") from None
         if len(ids) >= limit:
             raise bad(f"prompt has {len(ids)} tokens; the limit is {limit - 1}")
         rid = f"{req.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
