@@ -53,7 +53,8 @@ class Engine:
         capacity = self.max_model_len + max(cfg.prefill_chunk, cfg.gamma_max + 1)
         self.kv = KVCache(s.layers, cfg.max_num_seqs, capacity, s.kv_heads, s.head_dim, p.dtype, p.device,
                           cfg.block_size, cfg.prefix_cache_blocks, model_seed(identity))
-        self.runner = Runner(model, self.kv, cfg.attention)
+        graph_width = cfg.gamma_max + 1 if cfg.cuda_graphs and p.device.type == "cuda" else 0
+        self.runner = Runner(model, self.kv, cfg.attention, graph_width)
         self.backend = model.backend.name
         self.scheduler = Scheduler(cfg, self.kv)
         self.drafters = drafters or {}
@@ -197,9 +198,14 @@ class Engine:
                 draft_ids[b, : len(t)] = torch.tensor(t)
                 ids = torch.as_tensor(drafts.q_ids[b][: len(t)], dtype=torch.int64, device=dev)
                 q[b, : len(t)].scatter_add_(-1, ids, torch.as_tensor(drafts.q_probs[b][: len(t)], device=dev))
-        gens = [s.generator for s in seqs]
-        uniform = torch.stack([torch.rand(G, generator=g) for g in gens]).to(dev) if G else torch.zeros((B, 0), device=dev)
-        noise = torch.stack([torch.empty(vocab).exponential_(generator=g) for g in gens]).clamp_(min=1e-20).to(dev)
+        # Randomness only for sampled rows (greedy rows are one-hot and need none), drawn from
+        # each request's own generator so a seed reproduces its output.
+        uniform = torch.zeros((B, G), device=dev)  # greedy: accept iff p(d) > 0, i.e. d is the argmax
+        noise = torch.ones((B, vocab), device=dev)
+        for b, s in enumerate(seqs):
+            if not s.params.greedy:
+                uniform[b] = torch.rand(G, generator=s.generator).to(dev)
+                noise[b] = torch.empty(vocab).exponential_(generator=s.generator).clamp_(min=1e-20).to(dev)
         num_draft = torch.tensor([len(t) for t in drafts.tokens], device=dev)
         out, num_acc = rejection_sample(draft_ids.to(dev), num_draft, q, p, uniform, noise)
         out, num_acc = out.tolist(), num_acc.tolist()

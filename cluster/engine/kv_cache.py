@@ -35,7 +35,8 @@ class PrefixStats:
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, capacity: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device, block_size: int = 16, prefix_blocks: int = 0, seed: int = 0):
-        shape = (num_layers, num_slots, capacity, kv_heads, head_dim)
+        # one extra physical slot: scratch space for padding rows of captured CUDA graphs
+        shape = (num_layers, num_slots + 1, capacity, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity

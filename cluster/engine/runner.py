@@ -10,13 +10,18 @@ from cluster.engine.model import CausalLM
 
 
 class Runner:
-    def __init__(self, model: CausalLM, kv: KVCache, attention: str = "auto"):
+    def __init__(self, model: CausalLM, kv: KVCache, attention: str = "auto", graph_width: int = 0):
         self.model = model
         self.kv = kv
         p = next(model.parameters())
         self.device = p.device
         if model.backend is None:
             model.backend = make_backend(attention, p.device, p.dtype)
+        self.graphs = None
+        if graph_width and model.backend.name == "fa3":  # decode/verify steps up to this width
+            from cluster.engine.graphs import GraphRunner
+
+            self.graphs = GraphRunner(model, kv, graph_width)
 
     @torch.inference_mode()
     def forward(self, slots: list[int], cache_lens: list[int], tokens: list[list[int]],
@@ -27,6 +32,11 @@ class Runner:
         (padded) position when `last_only` is False.
         """
         q_lens = [len(t) for t in tokens]
+        if self.graphs is not None and self.graphs.eligible(len(tokens), max(q_lens)):
+            logits = self.graphs.forward(slots, cache_lens, tokens)
+            if last_only:
+                return logits[torch.arange(len(tokens), device=self.device), torch.tensor(q_lens, device=self.device) - 1]
+            return logits
         ctx = AttnContext.build(slots, cache_lens, q_lens, self.device)
         assert ctx.max_kv <= self.kv.capacity, "slot capacity exceeded"
         ids = torch.zeros((len(tokens), ctx.width), dtype=torch.int64)

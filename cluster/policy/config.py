@@ -58,6 +58,12 @@ class SpeculationPolicyConfig(BaseModel):
     """EWMA weight of one step in the per-position acceptance estimate."""
     cost_alpha: float = Field(default=0.02, gt=0.0, le=1.0)
     """Forgetting weight of one step in the online step-cost fits."""
+    cost_clip: float = Field(default=3.0, ge=0.0)
+    """A step time more than this factor off the fit's prediction is clipped to it
+    (a stall from elsewhere on the machine); 0 disables clipping."""
+    cost_ridge: float = Field(default=1e-3, ge=0.0)
+    """Ridge weight, relative to each cost term's own data, that reads a term the steps
+    cannot resolve yet as free (cluster.policy.fit)."""
     hysteresis: float = Field(default=0.05, ge=0.0)
     """Switch gamma only if the new one's expected goodput is this fraction better."""
     min_observations: int = Field(default=8, ge=1)

@@ -11,11 +11,17 @@ before the batch fills rather than one burst late. `cluster_inflight=0` means un
 
 Goodput mode models one step at batch b and gamma g as
     tokens out  = b * E[N|g],  E[N|g] = 1 + sum_{j=1..g} prod_{i<=j} a_i
-    step time   = t_verify(b*(g+1) + prefill) + t_draft(b, g)
-    t_verify(x) = c0 + c1*x,   t_draft(b, g) = d0 + d1*b*g  (0 when g = 0)
-with a_i the acceptance rate of draft position i given all before it were accepted. The
-verify cost is one line over tokens, so steps at any gamma teach it the cost at gamma 0
-(which speculating steps never see directly) and vice versa.
+    step time   = t_verify(b, g) + t_draft(b, g)
+    t_verify    = c0 + c_row*b + c1*(b*g + prefill)
+    t_draft     = d0 + d_row*b + d_pass*g + d1*b*g      (0 when g = 0)
+with a_i the acceptance rate of draft position i given all before it were accepted. Rows
+and tokens are separate terms because on a CPU (and in the sampler everywhere) a row costs
+far more than one more token in it: a one-line fit over tokens alone mistakes the per-row
+cost for a per-token one when the batch grows, overprices drafts and turns speculation off
+where it still pays. Likewise a draft costs g sequential passes (d_pass) as well as work
+per row and token. The fits (cluster.policy.fit) are shared across batch sizes, so the
+costs measured at one concurrency predict the next; periodic probe steps at other gammas
+keep every term measured.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from cluster.policy.config import SpeculationPolicyConfig
+from cluster.policy.fit import CostFit
+
+REFIT_EVERY = 4  # steps between cost re-fits on the hot path (the costs drift slowly)
 
 
 @dataclass
@@ -107,55 +116,29 @@ class TableController(_Base):
         return g
 
 
-class _LineFit:
-    """Exponentially weighted least squares for y = a + b*x, both clamped non-negative."""
-
-    def __init__(self, forget: float):
-        self.keep = 1.0 - forget
-        self.n = 0
-        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
-        self.a = self.b = 0.0
-        self.degenerate = True  # every x (nearly) equal: the slope is unknowable
-
-    def add(self, x: float, y: float) -> None:
-        k = self.keep
-        self.w = k * self.w + 1.0
-        self.sx = k * self.sx + x
-        self.sy = k * self.sy + y
-        self.sxx = k * self.sxx + x * x
-        self.sxy = k * self.sxy + x * y
-        self.n += 1
-        det = self.w * self.sxx - self.sx * self.sx
-        self.degenerate = det <= 1e-4 * self.w * self.sxx
-        if self.degenerate:
-            self.a, self.b = self.sy / self.w, 0.0  # flat: memory-bound until shown otherwise
-            return
-        b = (self.w * self.sxy - self.sx * self.sy) / det
-        a = (self.sy - b * self.sx) / self.w
-        if b < 0.0:  # noise made cost fall with size: treat as flat
-            a, b = self.sy / self.w, 0.0
-        elif a < 0.0:  # line through the origin instead
-            a, b = 0.0, self.sxy / self.sxx
-        self.a, self.b = a, b
-
-    def __call__(self, x: float) -> float:
-        return self.a + self.b * x
-
-
 class GoodputController(_Base):
     """Chooses the gamma that maximises expected tokens per second (see module docstring)."""
 
     def __init__(self, cfg: SpeculationPolicyConfig):
         super().__init__(cfg)
         gmax = cfg.gamma_max
-        # Acceptance as decayed counts seeded with prior pseudo-counts: the prior fades
-        # as data arrives instead of switching off at a threshold.
-        self._acc = [cfg.prior_acceptance * cfg.prior_weight] * gmax
-        self._reached = [cfg.prior_weight] * gmax
-        self._verify = _LineFit(cfg.cost_alpha)
-        self._draft = _LineFit(cfg.cost_alpha)
+        # Acceptance as decayed counts plus prior pseudo-counts (`_prior_mass`) that decay
+        # with each observation of their position: the prior fades as data arrives
+        # instead of switching off at a threshold.
+        self._acc = [0.0] * gmax
+        self._reached = [0.0] * gmax
+        self._prior_mass = [cfg.prior_weight] * gmax
+        # Features: verify [1, b, drafted + prefill]; draft [1, b, g, drafted]. The ridge
+        # leans an unresolved split towards the cheaper reading for speculation (per-pass
+        # rather than per-row draft cost), so the controller tries it and learns.
+        eps = cfg.cost_ridge
+        clip, warm = cfg.cost_clip, cfg.min_observations
+        self._verify = CostFit(3, cfg.cost_alpha, [0.0, eps, eps], clip, warm)
+        self._draft = CostFit(4, cfg.cost_alpha, [0.0, eps, eps, 10 * eps], clip, warm)
         self._prefill = 0.0  # EWMA of non-decode tokens per step
         self._steps = 0
+        self._probes = 0
+        self._probed_at = -1
         self._last = min(cfg.gamma, gmax)
         self._expected = self._expected_tokens()
 
@@ -177,15 +160,27 @@ class GoodputController(_Base):
             if reached > 0:
                 self._acc[j] = keep * self._acc[j] + accepted
                 self._reached[j] = keep * self._reached[j] + reached
+                self._prior_mass[j] *= keep
         self._expected = self._expected_tokens()
-        self._verify.add(obs.verify_tokens, obs.verify_s)
-        extra = max(0, obs.verify_tokens - obs.batch_size - obs.drafted)
+        b = obs.batch_size
+        extra = max(0, obs.verify_tokens - b - obs.drafted)
+        self._verify.add([1.0, b, obs.drafted + extra], obs.verify_s)
         self._prefill = (1 - a) * self._prefill + a * extra
         if obs.drafted > 0:
-            self._draft.add(obs.drafted, obs.draft_s)
+            self._draft.add([1.0, b, obs.gamma, obs.drafted], obs.draft_s)
 
     def acceptance(self) -> list[float]:
-        return [min(1.0, acc / r) for acc, r in zip(self._acc, self._reached)]
+        """Per-position conditional acceptance. A position's prior is the larger of
+        `prior_acceptance` and the position before's estimate: deeper positions are
+        rarely reached at a low gamma, and a fixed pessimistic prior there would keep
+        gamma low for good (the conditional rate is roughly flat in depth on real pairs;
+        if it falls, drafting there measures it)."""
+        out, prev = [], self.cfg.prior_acceptance
+        for acc, r, m in zip(self._acc, self._reached, self._prior_mass):
+            a = min(1.0, (acc + m * prev) / (r + m)) if r + m > 0 else prev
+            out.append(a)
+            prev = max(self.cfg.prior_acceptance, a)
+        return out
 
     def _expected_tokens(self) -> list[float]:
         """E[N|g] for g = 0..gamma_max."""
@@ -197,55 +192,74 @@ class GoodputController(_Base):
         return out
 
     # --- deciding -------------------------------------------------------------
-    def _step_time(self, b: float, g: int) -> float:
+    def _step_times(self, b: float) -> list[float]:
+        """Predicted step seconds at batch b for g = 0..gamma_max (one pass: called per step)."""
         cfg = self.cfg
-        t_v = self._verify(b * (g + 1) + self._prefill)
-        if g == 0:
-            return t_v
+        c0, cr, c1 = self._verify.coef(REFIT_EVERY)
+        base = c0 + cr * b + c1 * self._prefill
         if self._draft.n >= cfg.min_observations:
-            t_d = self._draft(b * g)
+            d0, dr, dp, d1 = self._draft.coef(REFIT_EVERY)
+            fixed, per_g = d0 + dr * b, dp + d1 * b
         else:  # prior: g sequential draft passes, each a fraction of a target pass
-            t_d = cfg.prior_draft_cost_ratio * g * self._verify(b)
-        return max(t_v + t_d, 1e-9)
+            fixed, per_g = 0.0, cfg.prior_draft_cost_ratio * base
+        out = [max(base, 1e-9)]
+        for g in range(1, cfg.gamma_max + 1):
+            out.append(max(base + c1 * b * g + fixed + per_g * g, 1e-9))
+        return out
 
-    def goodput(self, b: float, g: int) -> float:
-        """Expected tokens per second at batch b and gamma g under the current model."""
+    def goodputs(self, b: float) -> list[float]:
+        """Expected tokens per second at batch b for g = 0..gamma_max under the current model."""
+        e = self._expected
         if self._verify.n < self.cfg.min_observations:
             # No cost data: verify cost flat (the memory-bound premise of speculation).
-            return self._expected[g] / (1.0 + self.cfg.prior_draft_cost_ratio * g)
-        return b * self._expected[g] / self._step_time(b, g)
+            r = self.cfg.prior_draft_cost_ratio
+            return [e[g] / (1.0 + r * g) for g in range(len(e))]
+        return [b * eg / t for eg, t in zip(e, self._step_times(b))]
+
+    def _probe(self) -> int | None:
+        """Every `explore_every` steps one step at another gamma, alternately 0 (cost of
+        plain decoding) and higher (acceptance at deeper positions): the cost fit needs
+        more than one gamma to see the slope, and a stale acceptance estimate would
+        otherwise hold gamma at 0 for good once it got there."""
+        cfg = self.cfg
+        if not cfg.explore_every or self._steps % cfg.explore_every or self._probed_at == self._steps:
+            return None
+        self._probed_at = self._steps
+        self._probes += 1
+        up = min(cfg.gamma_max, max(self._last + 2, cfg.gamma))
+        if self._last == 0:
+            return up or None
+        return 0 if self._last >= cfg.gamma_max or self._probes % 2 else up
 
     def gamma(self, batch_size: int, cluster_inflight: int = 0) -> int:
         cfg = self.cfg
         if self._verify.n < cfg.min_observations:
             # Start at the configured gamma if the prior predicts a gain, else plain decoding.
-            self._last = cfg.gamma if self.goodput(1, cfg.gamma) > self.goodput(1, 0) else 0
+            v = self.goodputs(1)
+            self._last = cfg.gamma if v[cfg.gamma] > v[0] else 0
             return self._last
-        if (cfg.explore_every and self._verify.degenerate
-                and self._steps % cfg.explore_every == 0):
-            # One probe step at another verify size, so the cost slope becomes measurable.
-            return 0 if self._last > 0 else max(1, cfg.gamma)
-        b = max(1.0, self.concurrency(batch_size, cluster_inflight))
-        best_g, best = self._last, self.goodput(b, self._last)
-        current = best
-        for g in range(cfg.gamma_max + 1):
-            v = self.goodput(b, g)
-            if v > best:
-                best_g, best = g, v
-        if best_g != self._last and best >= current * (1.0 + cfg.hysteresis):
+        probe = self._probe()
+        if probe is not None:
+            return probe
+        v = self.goodputs(max(1.0, self.concurrency(batch_size, cluster_inflight)))
+        best_g = max(range(len(v)), key=v.__getitem__)
+        if best_g != self._last and v[best_g] >= v[self._last] * (1.0 + cfg.hysteresis):
             self._last = best_g
         return self._last
 
     def snapshot(self) -> dict:
+        c0, cr, c1 = self._verify.theta
+        d0, dr, dp, d1 = self._draft.theta
         return {
             "mode": self.cfg.mode,
             "gamma": self._last,
             "acceptance": [round(a, 4) for a in self.acceptance()],
             "expected_tokens": [round(e, 3) for e in self._expected],
-            "verify_cost": {"c0": self._verify.a, "c1": self._verify.b, "n": self._verify.n},
-            "draft_cost": {"d0": self._draft.a, "d1": self._draft.b, "n": self._draft.n},
+            "verify_cost": {"c0": c0, "c_row": cr, "c1": c1, "n": self._verify.n},
+            "draft_cost": {"d0": d0, "d_row": dr, "d_pass": dp, "d1": d1, "n": self._draft.n},
             "prefill_tokens": self._prefill,
             "steps": self._steps,
+            "probes": self._probes,
         }
 
 

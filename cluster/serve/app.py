@@ -64,7 +64,10 @@ def build_app(cfg: ClusterConfig) -> Application:
         drafter = DrafterDeployment.options(**_options(cfg.drafter, scaling["drafter"])).bind(data)
     verifier = Verifier.options(**_options(cfg.verifier, scaling["verifier"]),
                                 request_router_config=request_router_config(cfg)).bind(data, drafter, board)
-    return Router.options(max_ongoing_requests=cfg.router.max_inflight * 2).bind(data, verifier, board)
+    # the Router refuses past max_inflight itself; max_queued_requests bounds what waits in
+    # the proxies for a Router slot (RESOURCE_EXHAUSTED beyond), which is unbounded by default
+    return Router.options(max_ongoing_requests=cfg.router.max_inflight * 2,
+                          max_queued_requests=cfg.router.max_inflight).bind(data, verifier, board)
 
 
 def app_builder(args: dict) -> Application:

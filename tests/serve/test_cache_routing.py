@@ -27,7 +27,7 @@ from cluster.kvdir.embedded import free_port, start_local_server
 
 pytestmark = pytest.mark.slow
 
-WORDS = "object hook parse float int constant strict decoder encoder indent separators".split()
+WORDS = ["object", "hook", "parse", "float", "int", "constant", "strict", "decoder", "encoder", "indent"]
 
 
 def system_prompt(i: int) -> str:
@@ -124,7 +124,7 @@ def test_requests_follow_their_prefix(serve_grpc, tiny_target):
             home[i] = ask(p + "user 0")
             assert home[i]
         for i, p in enumerate(prompts):  # published within a flush (50 ms)
-            wait_until(lambda: probe.overlap(p + "user 1").get(home[i], 0) >= 4, 10, f"blocks of prompt {i}")
+            wait_until(lambda p=p, i=i: probe.overlap(p + "user 1").get(home[i], 0) >= 4, 10, f"blocks of prompt {i}")
 
         for k in range(1, 4):
             for i, p in enumerate(prompts):
