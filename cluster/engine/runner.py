@@ -25,7 +25,7 @@ class Runner:
 
     @torch.inference_mode()
     def forward(self, slots: list[int], cache_lens: list[int], tokens: list[list[int]],
-                last_only: bool) -> torch.Tensor:
+                last_only: bool, num_layers: int | None = None) -> torch.Tensor:
         """Append `tokens[b]` to slot `slots[b]` (after `cache_lens[b]` cached tokens).
 
         Returns fp32 logits: [B, V] for each row's last token, or [B, T, V] for every
@@ -33,7 +33,7 @@ class Runner:
         """
         q_lens = [len(t) for t in tokens]
         if self.graphs is not None and self.graphs.eligible(len(tokens), max(q_lens)):
-            logits = self.graphs.forward(slots, cache_lens, tokens)
+            logits = self.graphs.forward(slots, cache_lens, tokens, num_layers)
             if last_only:
                 return logits[torch.arange(len(tokens), device=self.device), torch.tensor(q_lens, device=self.device) - 1]
             return logits
@@ -42,7 +42,7 @@ class Runner:
         ids = torch.zeros((len(tokens), ctx.width), dtype=torch.int64)
         for b, t in enumerate(tokens):
             ids[b, : len(t)] = torch.tensor(t)
-        h = self.model(ids.to(self.device), ctx.positions, self.kv, ctx)
+        h = self.model(ids.to(self.device), ctx.positions, self.kv, ctx, num_layers)
         if last_only:
             h = h[torch.arange(len(tokens), device=self.device), ctx.q_lens - 1]
         return self.model.logits(h)

@@ -181,3 +181,18 @@ def test_drafting_ahead_is_lossless_and_hits(random_models, tokenizer, baseline)
     out = e.generate(PROMPTS, SamplingParams(max_tokens=48, ignore_eos=True), SpecParams("fixed", 3))
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in baseline]
     assert e.planner.counts["ahead_hits"] > 0, e.planner.counts
+
+
+def test_early_exit_self_drafter_is_lossless(random_models, tokenizer, baseline):
+    from cluster.engine.selfdraft import EarlyExitDrafter
+
+    target = load_model(random_models["llama"], torch.float32, "cpu")
+    e = Engine(target, tokenizer, EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, max_batch_tokens=64))
+    e.drafters["early-exit"] = EarlyExitDrafter(e, layers=1)
+    for sp in (SamplingParams(max_tokens=48, ignore_eos=True),):
+        out = e.generate(PROMPTS, sp, SpecParams("fixed", 4), "early-exit")
+        assert [r["token_ids"] for r in out] == [r["token_ids"] for r in baseline]
+        assert sum(r["spec"]["drafted"] for r in out) > 0
+    sampled = e.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0.9, seed=3), SpecParams("fixed", 3),
+                         "early-exit")
+    assert all(len(r["token_ids"]) > 0 for r in sampled) and e.kv.slots_used == 0

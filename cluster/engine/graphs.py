@@ -1,0 +1,78 @@
+"""CUDA graphs for the decode and verify steps (batch buckets x row widths, captured lazily).
+
+A step of B rows of T tokens each (T = gamma + 1; 1 is plain decoding) replays a graph
+captured for (bucket(B), T). Padding rows point at a scratch slot, so they never touch a
+sequence's KV; rows shorter than T write a few positions past their length, which the slot's
+spare capacity absorbs and the next step overwrites. Only the FA3 backend is captured: its
+kernel reads lengths from a tensor, while SDPA slices the cache by a host-side length.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from cluster.engine.attention import AttnContext
+
+log = logging.getLogger(__name__)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class _Graph:
+    def __init__(self, model, kv, batch: int, width: int, pool, num_layers: int | None):
+        dev = kv.k.device
+        self.ids = torch.zeros((batch, width), dtype=torch.int64, device=dev)
+        self.slots = torch.full((batch,), kv.num_slots, dtype=torch.int64, device=dev)  # scratch slot
+        self.lens = torch.zeros((batch,), dtype=torch.int64, device=dev)
+        self.graph = torch.cuda.CUDAGraph()
+        run = lambda: model.logits(model(self.ids, *self._ctx(kv, width), num_layers))  # noqa: E731
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()  # warm-up allocations outside the graph
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = run()
+
+    def _ctx(self, kv, width: int):
+        ar = torch.arange(width, device=self.ids.device)
+        pos = self.lens[:, None] + ar
+        b = self.ids.shape[0]
+        ctx = AttnContext(self.slots, self.lens, torch.full_like(self.lens, width), pos,
+                          torch.ones((b, width), dtype=torch.bool, device=self.ids.device), width, kv.capacity,
+                          torch.arange(b * width, device=self.ids.device),
+                          self.slots[:, None].expand(b, width).reshape(-1), pos.reshape(-1))
+        return pos, kv, ctx
+
+
+class GraphRunner:
+    def __init__(self, model, kv, max_width: int):
+        self.model, self.kv, self.max_width = model, kv, max_width
+        self.graphs: dict[tuple[int, int, int | None], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def eligible(self, batch: int, width: int) -> bool:
+        return width <= self.max_width and batch <= BUCKETS[-1]
+
+    @torch.inference_mode()
+    def forward(self, slots: list[int], cache_lens: list[int], tokens: list[list[int]],
+                num_layers: int | None = None) -> torch.Tensor:
+        """[B, T, V] logits; T = the longest row. `num_layers` < all: an early-exit pass."""
+        b, width = len(tokens), max(map(len, tokens))
+        bucket = next(x for x in BUCKETS if x >= b)
+        key = (bucket, width, num_layers)
+        g = self.graphs.get(key)
+        if g is None:
+            log.info("capturing CUDA graph for batch %d x width %d (layers %s)", bucket, width, num_layers or "all")
+            g = self.graphs[key] = _Graph(self.model, self.kv, bucket, width, self.pool, num_layers)
+        ids = torch.zeros((bucket, width), dtype=torch.int64)
+        for i, t in enumerate(tokens):
+            ids[i, : len(t)] = torch.tensor(t)
+        g.ids.copy_(ids, non_blocking=True)
+        g.slots.fill_(self.kv.num_slots)
+        g.slots[:b].copy_(torch.tensor(slots), non_blocking=True)
+        g.lens.zero_()
+        g.lens[:b].copy_(torch.tensor(cache_lens), non_blocking=True)
+        g.graph.replay()
+        return g.out[:b]
