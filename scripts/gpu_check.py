@@ -13,35 +13,15 @@ import sys
 import time
 
 import torch
-from transformers import LlamaConfig
 
 from cluster.engine.attention import Fa3Backend, SdpaBackend, make_backend
 from cluster.engine.kv_cache import KVCache
-from cluster.engine.model import CausalLM, ModelShape
+from cluster.bench.synthetic import random_llama
+from cluster.engine.model import CausalLM
 from cluster.engine.runner import Runner
 
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, intermediate_size=14336, max_position_embeddings=8192,
-                rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
-
-
 def random_model(layers: int | None = None) -> CausalLM:
-    cfg = LlamaConfig(**{**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})})
-    cfg.model_type = "llama"
-    shape = ModelShape.from_hf(cfg)
-    with torch.device("meta"):
-        model = CausalLM(shape, cfg)
-    model = model.to(torch.bfloat16).to_empty(device="cuda")  # never materialise fp32 weights
-    g = torch.Generator(device="cuda").manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.normal_(0, 0.02, generator=g)
-    from cluster.engine.model import Rotary
-    model.rotary = Rotary(cfg, shape.max_positions).cuda()
-    return model.eval()
+    return random_llama(layers)
 
 
 def cuda_time(fn, iters: int) -> float:

@@ -1,0 +1,40 @@
+"""Real-size model shapes with random weights, for speed work on a GPU (acceptance is
+measured on trained pairs; random weights only tell time)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig
+
+from cluster.engine.model import CausalLM, ModelShape, Rotary
+
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, intermediate_size=14336, max_position_embeddings=8192,
+                rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
+
+
+def random_llama(layers: int | None = None, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0) -> CausalLM:
+    """Llama-3.1-8B dimensions (or its first `layers` layers), weights ~ N(0, 0.02), norms 1."""
+    cfg = LlamaConfig(**{**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})})
+    shape = ModelShape.from_hf(cfg)
+    with torch.device("meta"):
+        model = CausalLM(shape, cfg)
+    model = model.to(dtype).to_empty(device=device)  # never materialise fp32 weights
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02, generator=g)
+    model.rotary = Rotary(cfg, shape.max_positions).to(device)
+    model.config = cfg
+    return model.eval()
+
+
+class NullTokenizer:
+    """Token ids only: for speed runs on random weights, where text means nothing."""
+    eos_token_id = -1
+
+    def encode(self, s: str) -> list[int]:
+        return [1 + (ord(c) % 1000) for c in s]
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return ""

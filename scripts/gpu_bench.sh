@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool): unpack the bundle, then run the checks into $OUT.
+set -eo pipefail
+bash .device-bundle/unpack.sh || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv
+python3 scripts/gpu_bench.py 2>&1 | tee "${OUT:-.}/gpu_bench.log"
