@@ -32,6 +32,7 @@ sys.path.insert(0, str(REPO))
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
 
 import grpc  # noqa: E402
+import ray  # noqa: E402,F401 - puts its bundled psutil (ray/thirdparty_files) on the path
 import psutil  # noqa: E402
 
 APP = "soak"
@@ -56,11 +57,11 @@ def rss_by_role() -> dict[str, int]:
     """RSS of this app's replicas, the proxies and the controller, summed per role."""
     out: Counter[str] = Counter()
     for p in psutil.process_iter(["cmdline", "memory_info"]):
-        title = (p.info["cmdline"] or [""])[0]
+        title = (p.info["cmdline"] or [""])[0]  # "ray::<actor>[.<method running now>]"
         if title.startswith(f"ray::ServeReplica:{APP}:"):
-            out[title.rsplit(":", 1)[1]] += p.info["memory_info"].rss
+            out[title.rsplit(":", 1)[1].split(".")[0]] += p.info["memory_info"].rss
         elif title.startswith(("ray::ProxyActor", "ray::ServeController")):
-            out[title[5:]] += p.info["memory_info"].rss
+            out[title[5:].split(".")[0]] += p.info["memory_info"].rss
     return dict(out)
 
 
@@ -69,6 +70,7 @@ class Load:
         from cluster.client import Client
 
         self.client = Client(address, application=APP, timeout=120)
+        self.hasty = Client(address, application=APP, timeout=0.3)  # deadlines meant to expire
         self.refs, self.seed = refs, seed
         self.stop = threading.Event()
         self.counts: Counter[str] = Counter()
@@ -105,10 +107,7 @@ class Load:
             return
         prompt = rng.choice(FIXED) + " ".join(rng.choices(WORDS, k=rng.randrange(1, 40)))
         if kind == "deadline":
-            from cluster.client import build_request
-
-            c._stub.Generate(build_request(prompt, max_tokens=400, temperature=1.0), timeout=0.3,
-                             metadata=[("application", APP)])
+            self.hasty.generate(prompt, max_tokens=400, temperature=1.0)
             return
         stream = c.generate_stream(prompt, max_tokens=rng.randrange(16, 128), temperature=0.8,
                                    seed=rng.randrange(2**31), speculation=rng.choice(["auto", 3]))
@@ -131,7 +130,6 @@ def main() -> int:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "soak" / "soak.json"))
     a = ap.parse_args()
 
-    import ray
     from ray import serve
 
     from cluster.config import parse_config
@@ -174,7 +172,7 @@ def main() -> int:
                 kv_stop(hard=True)
                 event("killed the KV directory server")
                 time.sleep(5)
-                kv_url2, kv_stop = start_local_server(port=kv_port)
+                _, kv_stop = start_local_server(port=kv_port)
                 event("restarted the KV directory server")
             time.sleep(min(10.0, max(0.0, end - time.monotonic())))
         load.stop.set()
