@@ -82,9 +82,11 @@ def main() -> int:
     R.update(copy_bandwidth_TBps=bw / 1e12, param_bytes=param_bytes, ceiling_tokens_per_s=ceiling)
     log(f"bandwidth {bw/1e12:.2f} TB/s, ceiling {ceiling:.1f} tok/s")
     cfg = EngineConfig(max_num_seqs=64, max_model_len=1024, max_batch_tokens=4096, prefill_chunk=512,
-                       prefix_cache_blocks=0, gamma=4, gamma_max=8, device="cuda", dtype="bfloat16")
+                       prefix_cache_blocks=0, gamma=4, gamma_max=8, device="cuda", dtype="bfloat16",
+                       compile=os.environ.get("COMPILE", "1") == "1")
     engine = Engine(model, NullTokenizer(), cfg, identity="llama8b-random")
     R["backend"] = engine.backend
+    R["compiled_kernels"] = cfg.compile
     decode_rate(engine, SpecParams("off"), new=16)  # capture graphs, warm up
     plain = decode_rate(engine, SpecParams("off"))
     R["plain_batch1"] = {**plain, "fraction_of_ceiling": plain["tokens_per_s"] / ceiling}
@@ -99,7 +101,7 @@ def main() -> int:
     log("verify/decode:", R["verify_gamma4_over_decode"])
 
     R["self_draft"] = {}
-    for layers in (2, 4, 8):
+    for layers in (4, 16, 28):
         t_draft = cuda_time(lambda: run.forward([slot], [512], [[5]], last_only=False, num_layers=layers))
         engine.drafters["early-exit"] = EarlyExitDrafter(engine, layers)
         decode_rate(engine, SpecParams("fixed", 4), "early-exit", new=16)  # capture this exit's graphs
@@ -126,7 +128,7 @@ def main() -> int:
     R["verify_attention_8k_b64"] = {"fa3_ms": 1e3 * t_fa3, "sdpa_ms": 1e3 * t_sdpa, "sdpa_over_fa3": t_sdpa / t_fa3}
     log("attention 8k b64:", R["verify_attention_8k_b64"])
 
-    engine.drafters["early-exit"] = EarlyExitDrafter(engine, 4)
+    engine.drafters["early-exit"] = EarlyExitDrafter(engine, 16)
     engine.default_drafter = engine.planner.default = "early-exit"
     sweep = []
     for c in (1, 4, 16, 64):

@@ -21,7 +21,7 @@ from cluster.engine.drafter import DraftOutput, Drafter
 from cluster.engine.drafting import DraftPlanner
 from cluster.engine.hashing import model_seed
 from cluster.engine.kv_cache import KVCache
-from cluster.engine.model import CausalLM, load_model
+from cluster.engine.model import CausalLM, compile_kernels, load_model
 from cluster.engine.runner import Runner
 from cluster.engine.sampling import InvalidRequest, SamplingParams, rejection_sample, target_probs
 from cluster.engine.scheduler import EngineConfig, Scheduler
@@ -53,6 +53,8 @@ class Engine:
         capacity = self.max_model_len + max(cfg.prefill_chunk, cfg.gamma_max + 1)
         self.kv = KVCache(s.layers, cfg.max_num_seqs, capacity, s.kv_heads, s.head_dim, p.dtype, p.device,
                           cfg.block_size, cfg.prefix_cache_blocks, model_seed(identity))
+        if cfg.compile and p.device.type == "cuda":
+            compile_kernels()
         graph_width = cfg.gamma_max + 1 if cfg.cuda_graphs and p.device.type == "cuda" else 0
         self.runner = Runner(model, self.kv, cfg.attention, graph_width)
         self.backend = model.backend.name

@@ -54,6 +54,32 @@ class ModelShape:
         return self.layers * layer + emb + h
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding, as HF Llama. x: [B, T, H, D]; cos/sin: [B, T, 1, D/2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32 as the reference does, then cast back.
+    return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * weight.float()).to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+KERNELS = {"rope": rope, "rms_norm": rms_norm, "silu_mul": silu_mul}
+
+
+def compile_kernels() -> None:
+    """Fuse the elementwise pieces with torch.compile (GPU): a decode step is otherwise
+    dozens of tiny kernels per layer. Compiled once per shape family, shared by all layers."""
+    for name, fn in list(KERNELS.items()):
+        KERNELS[name] = torch.compile(fn, dynamic=True)
+
+
 class Rotary(nn.Module):
     def __init__(self, hf_config, max_positions: int):
         super().__init__()
@@ -65,12 +91,9 @@ class Rotary(nn.Module):
         self.register_buffer("cos", freqs.cos() * ref.attention_scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * ref.attention_scaling, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [B, T, H, D]; positions: [B, T]. Rotate-half convention, as HF Llama.
-        cos = self.cos[positions][:, :, None, :].to(x.dtype)
-        sin = self.sin[positions][:, :, None, :].to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, 1, D/2] for the step's positions, gathered once for all layers."""
+        return self.cos[positions][:, :, None, :], self.sin[positions][:, :, None, :]
 
 
 class Attention(nn.Module):
@@ -80,13 +103,13 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(s.hidden, s.head_dim * (s.heads + 2 * s.kv_heads), bias=s.qkv_bias)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
 
-    def forward(self, x, positions, rotary, backend, k_cache, v_cache, ctx):
+    def forward(self, x, rot, backend, k_cache, v_cache, ctx):
         B, T, _ = x.shape
         s = self.s
-        q, k, v = self.qkv_proj(x).split([s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim], -1)
-        q = rotary(q.view(B, T, s.heads, s.head_dim), positions)
-        k = rotary(k.view(B, T, s.kv_heads, s.head_dim), positions)
-        out = backend(q, k, v.view(B, T, s.kv_heads, s.head_dim), k_cache, v_cache, ctx)
+        qkv = self.qkv_proj(x).view(B, T, s.heads + 2 * s.kv_heads, s.head_dim)
+        qk = KERNELS["rope"](qkv[:, :, : s.heads + s.kv_heads], *rot)  # q and k rotated in one op
+        q, k = qk.split([s.heads, s.kv_heads], dim=2)
+        out = backend(q.contiguous(), k, qkv[:, :, s.heads + s.kv_heads:], k_cache, v_cache, ctx)
         return self.o_proj(out.reshape(B, T, -1))
 
 
@@ -97,8 +120,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(KERNELS["silu_mul"](self.gate_up_proj(x)))
 
 
 class RMSNorm(nn.Module):
@@ -108,8 +130,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # Normalise in fp32 as the reference does, then cast back.
-        return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * self.weight.float()).to(x.dtype)
+        return KERNELS["rms_norm"](x, self.weight, self.eps)
 
 
 class Layer(nn.Module):
@@ -136,9 +157,9 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv, ctx: AttnContext, num_layers: int | None = None):
         h = self.embed_tokens(input_ids)
+        rot = self.rotary(positions)
         for i, layer in enumerate(self.layers[:num_layers]):
-            a = layer.self_attn(layer.input_layernorm(h), positions, self.rotary, self.backend, kv.k[i], kv.v[i], ctx)
-            h = h + a
+            h = h + layer.self_attn(layer.input_layernorm(h), rot, self.backend, kv.k[i], kv.v[i], ctx)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 

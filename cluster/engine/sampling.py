@@ -62,6 +62,8 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams], rows_per_pa
     n, vocab = logits.shape
     rep = lambda xs, dt: torch.tensor(xs, dtype=dt, device=logits.device).repeat_interleave(rows_per_param)  # noqa: E731
     greedy = rep([p.greedy for p in params], torch.bool)
+    if all(p.greedy for p in params):  # one-hot rows only: skip the softmax over the vocabulary
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     temp = rep([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32)
     top_k = rep([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64).clamp(max=vocab)
     top_p = rep([p.top_p for p in params], torch.float32)

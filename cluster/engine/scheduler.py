@@ -34,6 +34,7 @@ class EngineConfig:
     dtype: str = "float32"
     attention: str = "auto"         # auto | fa3 | sdpa
     cuda_graphs: bool = True        # capture decode/verify steps (FA3 on CUDA only)
+    compile: bool = False           # torch.compile the elementwise kernels (CUDA only)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_batch_tokens", "prefill_chunk", "block_size"):

@@ -36,6 +36,15 @@ class EarlyExitDrafter(Drafter):
         k = max(r.k for r in requests)
         for step in range(k):
             logits = self.engine.runner.forward(slots, lens, feed, last_only=True, num_layers=self.layers)
+            if all(r.params.greedy for r in requests):  # argmax only: no softmax over the vocabulary
+                for b, tok in enumerate(logits.argmax(-1).tolist()):
+                    if step < requests[b].k:
+                        drafts[b].append(tok)
+                        q_ids[b].append([tok])
+                        q_probs[b].append([1.0])
+                lens = [n + 1 for n in lens]
+                feed = [[d[-1]] for d in drafts]
+                continue
             probs = target_probs(logits, [r.params for r in requests])
             top_p, top_i = probs.topk(min(TOPK, probs.shape[-1]), dim=-1)
             top_p = top_p / top_p.sum(-1, keepdim=True)

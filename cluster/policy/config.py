@@ -72,6 +72,9 @@ class SpeculationPolicyConfig(BaseModel):
     """Per-position acceptance assumed before measurements (pseudo-counts, fades out)."""
     prior_weight: float = Field(default=16.0, gt=0.0)
     """How many proposed tokens the prior acceptance is worth."""
+    acceptance_bonus: float = Field(default=0.5, ge=0.0)
+    """Decisions use acceptance plus this many standard errors (its evidence fades each
+    step): what has not been measured lately gets tried again where it could pay."""
     prior_draft_cost_ratio: float = Field(default=0.05, ge=0.0)
     """Before the draft cost is measured: one draft token of one sequence costs this
     fraction of a target pass over the batch."""

@@ -124,10 +124,12 @@ class GoodputController(_Base):
         gmax = cfg.gamma_max
         # Acceptance as decayed counts plus prior pseudo-counts (`_prior_mass`) that decay
         # with each observation of their position: the prior fades as data arrives
-        # instead of switching off at a threshold.
+        # instead of switching off at a threshold. The data decays every step, drafted or
+        # not, so what was measured long ago counts for less and less (see _optimistic).
         self._acc = [0.0] * gmax
         self._reached = [0.0] * gmax
         self._prior_mass = [cfg.prior_weight] * gmax
+        self._mass_floor = min(1.0, cfg.prior_weight)
         # Features: verify [1, b, drafted + prefill]; draft [1, b, g, drafted]. The ridge
         # leans an unresolved split towards the cheaper reading for speculation (per-pass
         # rather than per-row draft cost), so the controller tries it and learns.
@@ -140,7 +142,7 @@ class GoodputController(_Base):
         self._probes = 0
         self._probed_at = -1
         self._last = min(cfg.gamma, gmax)
-        self._expected = self._expected_tokens()
+        self._expected = self._expected_tokens(self._optimistic())
 
     # --- learning -------------------------------------------------------------
     def observe(self, obs: StepObservation) -> None:
@@ -148,6 +150,8 @@ class GoodputController(_Base):
             return
         self._steps += 1
         keep, a = 1.0 - self.cfg.alpha, self.cfg.alpha
+        self._acc = [keep * x for x in self._acc]
+        self._reached = [keep * x for x in self._reached]
         prev_accepted = None
         for j in range(min(len(obs.proposed_per_position), self.cfg.gamma_max)):
             # Sequences that reached position j: proposed it and accepted all before it.
@@ -158,10 +162,10 @@ class GoodputController(_Base):
             accepted = obs.accepted_per_position[j] if j < len(obs.accepted_per_position) else 0
             prev_accepted = accepted
             if reached > 0:
-                self._acc[j] = keep * self._acc[j] + accepted
-                self._reached[j] = keep * self._reached[j] + reached
-                self._prior_mass[j] *= keep
-        self._expected = self._expected_tokens()
+                self._acc[j] += accepted
+                self._reached[j] += reached
+                self._prior_mass[j] = max(self._mass_floor, keep * self._prior_mass[j])
+        self._expected = self._expected_tokens(self._optimistic())
         b = obs.batch_size
         extra = max(0, obs.verify_tokens - b - obs.drafted)
         self._verify.add([1.0, b, obs.drafted + extra], obs.verify_s)
@@ -182,10 +186,23 @@ class GoodputController(_Base):
             prev = max(self.cfg.prior_acceptance, a)
         return out
 
-    def _expected_tokens(self) -> list[float]:
+    def _optimistic(self) -> list[float]:
+        """Acceptance plus `acceptance_bonus` standard errors, for deciding. Evidence fades
+        each step, so a position not drafted for a while (gamma went down, or to 0) gets
+        uncertain, its optimistic rate rises, and the controller drafts there again to
+        look, but only where speculation could pay at that optimistic rate: at a batch
+        so large that even perfect acceptance would not pay, it never looks."""
+        k = self.cfg.acceptance_bonus
+        est = self.acceptance()
+        if not k:
+            return est
+        return [min(1.0, p + k * math.sqrt(p * (1.0 - p) / (r + m + 1.0)))
+                for p, r, m in zip(est, self._reached, self._prior_mass)]
+
+    def _expected_tokens(self, acceptance: list[float] | None = None) -> list[float]:
         """E[N|g] for g = 0..gamma_max."""
         out, run, prod = [1.0], 1.0, 1.0
-        for a in self.acceptance():
+        for a in acceptance if acceptance is not None else self.acceptance():
             prod *= a
             run += prod
             out.append(run)
@@ -254,7 +271,8 @@ class GoodputController(_Base):
             "mode": self.cfg.mode,
             "gamma": self._last,
             "acceptance": [round(a, 4) for a in self.acceptance()],
-            "expected_tokens": [round(e, 3) for e in self._expected],
+            "expected_tokens": [round(e, 3) for e in self._expected_tokens()],
+            "expected_tokens_optimistic": [round(e, 3) for e in self._expected],
             "verify_cost": {"c0": c0, "c_row": cr, "c1": c1, "n": self._verify.n},
             "draft_cost": {"d0": d0, "d_row": dr, "d_pass": dp, "d1": d1, "n": self._draft.n},
             "prefill_tokens": self._prefill,
