@@ -46,9 +46,9 @@ def local(prompts, args) -> dict:
     from cluster.serve.build import build_engine
 
     engine = build_engine(parse_config({}))
-    out = {}
+    out = {"device": str(engine.runner.device), "backend": engine.backend}
     for name, spec in (("off", SpecParams("off")), ("spec", SpecParams("fixed", args.gamma))):
-        def gen(p, spec=spec):
+        def gen(p, spec=spec):  # noqa: B023
             sid = engine.add_request(p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True), spec, None)
             while engine.has_work:
                 for o in engine.step():
@@ -60,6 +60,15 @@ def local(prompts, args) -> dict:
     return out
 
 
+def _resources(args) -> dict:
+    """With GPUs: the verifier on one, the drafter on another when there are two."""
+    if not args.gpus:
+        return {}
+    share = 1 if args.gpus >= 2 else 0.5
+    return {"verifier": {"ray_actor_options": {"num_gpus": share}},
+            "drafter": {"ray_actor_options": {"num_gpus": share}}}
+
+
 def through_grpc(prompts, args, placement: str, port: int) -> dict:
     from ray import serve
 
@@ -68,7 +77,7 @@ def through_grpc(prompts, args, placement: str, port: int) -> dict:
 
     name = f"bench-{placement}"
     run_app(parse_config({"placement": placement, "network": {"grpc_port": port, "app_name": name,
-                                                               "route_prefix": f"/{name}"}}))
+                                                               "route_prefix": f"/{name}"}, **_resources(args)}))
     out = {}
     with Client(f"localhost:{port}", application=name) as c:
         for mode, spec in (("off", "off"), ("spec", args.gamma)):
@@ -89,6 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--port", type=int, default=9310)
+    ap.add_argument("--gpus", type=int, default=0, help="GPUs for Ray (2: verifier and drafter on different GPUs)")
     args = ap.parse_args(argv)
     import ray
 
@@ -99,7 +109,7 @@ def main(argv=None) -> int:
     bar = tqdm(total=3, desc="serve bench")
     results["local"] = local(prompts, args)
     bar.update()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=4, num_gpus=args.gpus or None, include_dashboard=False, log_to_driver=False)
     start_serve(parse_config({"network": {"grpc_port": args.port, "http_port": args.port + 1}}), "HeadOnly")
     for placement in ("colocated", "disaggregated"):
         results[placement] = through_grpc(prompts, args, placement, args.port)
