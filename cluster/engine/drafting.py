@@ -6,6 +6,10 @@ token is the drafter's own next guess: the request is `tokens + drafts` for gamm
 tokens, whose first is that guess. When the verify pass bears the assumption out, the next
 step starts with its drafts already in hand; otherwise they are dropped and drafted fresh.
 Either way the verifier decides every token, so the guess only ever costs time.
+
+A miss is not free: the drafter replica serves calls in order, so the fresh call queues
+behind the look-ahead one. Looking ahead therefore stays on only while its measured hit
+rate pays for that (above `min_hit_rate`), and is re-tried every `probe_every` steps.
 """
 
 from __future__ import annotations
@@ -27,10 +31,14 @@ class _Ahead:
 
 
 class DraftPlanner:
-    def __init__(self, drafters: dict[str, Drafter], default: str | None):
+    def __init__(self, drafters: dict[str, Drafter], default: str | None, min_hit_rate: float = 0.35,
+                 probe_every: int = 64):
         self.drafters, self.default = drafters, default
         self.ahead: dict[str, _Ahead] = {}
         self.counts = {"ahead_hits": 0, "ahead_misses": 0, "failures": 0}
+        self.hit_rate = 1.0  # EWMA of look-ahead hits per row; optimistic until measured
+        self.min_hit_rate, self.probe_every = min_hit_rate, probe_every
+        self.steps = 0
 
     def draft(self, rows: list[tuple[Sequence, int]]) -> DraftOutput:
         n = len(rows)
@@ -47,8 +55,10 @@ class DraftPlanner:
             if res is not None:
                 for j, b in enumerate(fresh[name]):
                     self._fill(out, b, res, j, 0, rows[b][1])
+        self.steps += 1
+        look_ahead = self.hit_rate >= self.min_hit_rate or self.steps % self.probe_every == 0
         for name, idx in groups.items():
-            if self.drafters[name].remote:
+            if self.drafters[name].remote and look_ahead:
                 self._ask_ahead(name, idx, rows, out)
         return out
 
@@ -62,6 +72,10 @@ class DraftPlanner:
         out.tokens[b] = res.tokens[j][start:start + g]
         out.q_ids[b] = res.q_ids[j][start:start + g]
         out.q_probs[b] = res.q_probs[j][start:start + g]
+        if res.parents is not None and res.parents[j] is not None:
+            # a prefix of a parents-first tree is a tree; trees are never drafted ahead (start 0)
+            out.parents = out.parents or [None] * len(out.tokens)
+            out.parents[b] = res.parents[j][:g] if start == 0 else None
 
     def _result(self, name: str, fut: Future) -> DraftOutput | None:
         try:
@@ -82,12 +96,14 @@ class DraftPlanner:
             s, g = rows[b]
             j, assumed = ahead.rows.get(s.seq_id, (-1, -1))
             guess = res.tokens[j] if j >= 0 else []
-            if len(s.token_ids) == assumed + 1 and len(guess) > 1 and guess[0] == s.token_ids[-1]:
+            hit = len(s.token_ids) == assumed + 1 and len(guess) > 1 and guess[0] == s.token_ids[-1]
+            if hit:
                 self._fill(out, b, res, j, 1, g)
                 self.counts["ahead_hits"] += 1
             else:
                 rest.append(b)
                 self.counts["ahead_misses"] += 1
+            self.hit_rate += 0.1 * (hit - self.hit_rate)
         return rest
 
     def _ask_ahead(self, name: str, idx: list[int], rows, out: DraftOutput) -> None:
