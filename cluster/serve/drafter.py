@@ -104,6 +104,7 @@ class RemoteDrafter(Drafter):
     timeout until Serve replaces it. The first call after the back-off is the probe."""
 
     name = "model"
+    remote = True  # the engine asks for the next step's drafts while this step verifies
     MIN_BACKOFF_S, MAX_BACKOFF_S = 0.5, 5.0
 
     def __init__(self, handle, timeout_s: float, caller: str):
