@@ -1,4 +1,4 @@
-"""`spec-cluster`: up | generate | models train-demo | bench."""
+"""`spec-cluster`: up | generate | models train-demo | models train-medusa | bench."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--speculation", type=_speculation, default="auto", help="off | auto | K (fixed gamma)")
-    g.add_argument("--drafter", choices=["model", "ngram"])
+    g.add_argument("--drafter", choices=["model", "ngram", "medusa"])
     g.add_argument("--target", help="target HF model directory (local mode)")
     g.add_argument("--draft", help="draft HF model directory (local mode)")
     g.add_argument("--config", help="cluster YAML for local mode")
@@ -62,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="model utilities")
     msub = m.add_subparsers(dest="models_cmd", required=True, parser_class=_Parser)
     msub.add_parser("train-demo", help="train the demo target/drafter pair", add_help=False)
+    msub.add_parser("train-medusa", help="train Medusa heads beside a target (--target DIR)", add_help=False)
 
     b = sub.add_parser("bench", help="benchmarks (see --help of each)", add_help=False)
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -74,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         from cluster.training.demo import main as train
 
         return train(argv[2:]) or 0
+    if argv[:2] == ["models", "train-medusa"]:
+        from cluster.training.medusa import main as train_medusa
+
+        return train_medusa(argv[2:]) or 0
     if argv[:1] == ["bench"]:
         from cluster.bench.cli import main as bench
 
@@ -109,9 +114,10 @@ def _overrides(args) -> dict:
 
 def cmd_up(args) -> int:
     from cluster.config import load_config
+
+    cfg = load_config(args.config, _overrides(args))  # a bad config stops here, before Ray is touched
     from cluster.serve.launch import deploy, shutdown
 
-    cfg = load_config(args.config, _overrides(args))
     info = deploy(cfg, address=args.address, num_cpus=args.num_cpus)
     print(f"spec-cluster ready: gRPC {info['grpc']} (app {cfg.network.app_name}), "
           f"Ray dashboard {info['dashboard'] or 'n/a'}; Ctrl-C to stop", flush=True)
@@ -179,9 +185,17 @@ def _generate_local(args) -> dict | None:
     return out
 
 
-def _generate_remote(args) -> dict | None:
+def _as_json(msg) -> dict:
     from google.protobuf.json_format import MessageToDict
 
+    d = MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    for k in ("drafted", "accepted", "verify_steps"):  # int64 comes back as a string in proto JSON
+        if k in d.get("spec", {}):
+            d["spec"][k] = int(d["spec"][k])
+    return d
+
+
+def _generate_remote(args) -> dict | None:
     from cluster.client import Client
 
     kw = dict(_spec_kwargs(args), speculation=args.speculation, drafter=args.drafter or "")
@@ -198,12 +212,11 @@ def _generate_remote(args) -> dict | None:
             if not args.json:
                 print()
                 return None
-            d = MessageToDict(last, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+            d = _as_json(last)
             d.update(text=text, token_ids=ids)
             d.pop("final", None)
             return d
-        resp = c.generate(args.prompt, **kw)
-        return MessageToDict(resp, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+        return _as_json(c.generate(args.prompt, **kw))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import ray
 from ray import serve
@@ -23,6 +24,10 @@ def deploy(cfg: ClusterConfig, address: str | None = None, num_cpus: int | None 
            blocking: bool = False, proxy_location: str = "EveryNode") -> dict:
     """Returns {grpc, dashboard}; the app stays up until `shutdown()`."""
     if not ray.is_initialized():
+        if address is None and num_cpus is None:
+            # Router, Verifier and Drafter take a logical CPU each; a laptop-sized local Ray
+            # must still place all three (they mostly wait on each other, not on the cores).
+            num_cpus = max(4, os.cpu_count() or 1)
         ray.init(address=address, num_cpus=num_cpus, include_dashboard=None, namespace="spec-cluster",
                  runtime_env=None, log_to_driver=False)
     cfg = start_embedded_kvdir(cfg)
