@@ -122,7 +122,8 @@ def cmd_up(args) -> int:
     print(f"spec-cluster ready: gRPC {info['grpc']} (app {cfg.network.app_name}), "
           f"Ray dashboard {info['dashboard'] or 'n/a'}; Ctrl-C to stop", flush=True)
     stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ray's driver setup may replace Python's SIGINT handler
+        signal.signal(sig, lambda *_: stop.append(1))
     try:
         while not stop:
             time.sleep(0.5)
