@@ -55,8 +55,14 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--gammas", default="2,4,8")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = ap.parse_args(argv)
-    engine = build_engine(parse_config({"models": {"dtype": args.dtype}, "engine": {"max_model_len": 1024}}))
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    engine = build_engine(parse_config({"models": {"dtype": args.dtype, "device": args.device},
+                                        "engine": {"max_model_len": 1024}}))
     prompts = code_prompts(args.prompts, seed=1)
     engine.generate(prompts[:1], SamplingParams(max_tokens=8), SpecParams("fixed", 2))  # warm-up
     runs = [("off", 0, None)] + [(d, g, d) for d in ("ngram", "model") for g in map(int, args.gammas.split(","))]

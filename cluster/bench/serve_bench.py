@@ -45,7 +45,7 @@ def local(prompts, args) -> dict:
     from cluster.engine.sequence import SpecParams
     from cluster.serve.build import build_engine
 
-    engine = build_engine(parse_config({}))
+    engine = build_engine(parse_config({"models": {"device": args.device}}))
     out = {"device": str(engine.runner.device), "backend": engine.backend}
     for name, spec in (("off", SpecParams("off")), ("spec", SpecParams("fixed", args.gamma))):
         def gen(p, spec=spec):  # noqa: B023
@@ -77,7 +77,8 @@ def through_grpc(prompts, args, placement: str, port: int) -> dict:
 
     name = f"bench-{placement}"
     run_app(parse_config({"placement": placement, "network": {"grpc_port": port, "app_name": name,
-                                                               "route_prefix": f"/{name}"}, **_resources(args)}))
+                                                               "route_prefix": f"/{name}"},
+                          "models": {"device": args.device}, **_resources(args)}))
     out = {}
     with Client(f"localhost:{port}", application=name) as c:
         for mode, spec in (("off", "off"), ("spec", args.gamma)):
@@ -98,6 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--port", type=int, default=9310)
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda (models.device)")
     ap.add_argument("--gpus", type=int, default=0, help="GPUs for Ray (2: verifier and drafter on different GPUs)")
     args = ap.parse_args(argv)
     import ray
