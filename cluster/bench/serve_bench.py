@@ -45,6 +45,9 @@ def local(prompts, args) -> dict:
     from cluster.engine.sequence import SpecParams
     from cluster.serve.build import build_engine
 
+    import torch
+
+    torch.set_num_threads(1)  # as in a Serve replica with one CPU (Ray sets OMP_NUM_THREADS=1)
     engine = build_engine(parse_config({"models": {"device": args.device}}))
     out = {"device": str(engine.runner.device), "backend": engine.backend}
     for name, spec in (("off", SpecParams("off")), ("spec", SpecParams("fixed", args.gamma))):
