@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from cluster.bench.synthetic import NullTokenizer, random_llama
+from cluster.bench.synthetic import copy_bandwidth, cuda_time, NullTokenizer, random_llama
 from cluster.engine.attention import AttnContext, SdpaBackend, make_backend
 from cluster.engine.engine import Engine
 from cluster.engine.sampling import SamplingParams
@@ -34,26 +34,6 @@ T0 = time.time()
 
 def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
-
-
-def cuda_time(fn, iters=30) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return sorted(ts)[len(ts) // 2]
-
-
-def bandwidth() -> float:
-    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / cuda_time(lambda: y.copy_(x), 20)
 
 
 def prompt(n=512, seed=0):
@@ -75,7 +55,7 @@ def decode_rate(engine, spec, drafter=None, new=256, n=1) -> dict:
 
 def main() -> int:
     R: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    bw = bandwidth()
+    bw = copy_bandwidth()
     model = random_llama()
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     ceiling = bw / param_bytes

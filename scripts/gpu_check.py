@@ -16,34 +16,12 @@ import torch
 
 from cluster.engine.attention import Fa3Backend, SdpaBackend, make_backend
 from cluster.engine.kv_cache import KVCache
-from cluster.bench.synthetic import random_llama
+from cluster.bench.synthetic import copy_bandwidth, cuda_time, random_llama
 from cluster.engine.model import CausalLM
 from cluster.engine.runner import Runner
 
 def random_model(layers: int | None = None) -> CausalLM:
     return random_llama(layers)
-
-
-def cuda_time(fn, iters: int) -> float:
-    """Median seconds per call, timed with CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    s = cuda_time(lambda: y.copy_(x), 20)
-    return 2 * x.numel() / s  # read + write bytes per second
 
 
 def parity(results: dict) -> None:
