@@ -33,8 +33,10 @@ class ModelsConfig(_Strict):
     """Target model: a Hugging Face directory (config.json, safetensors, tokenizer) or 'demo-target'."""
     draft: str | None = "demo-draft"
     """Draft model directory (same tokenizer as the target), 'demo-draft', or null."""
-    drafter: Literal["model", "ngram", "none"] = "model"
-    """Default proposer: the draft model, n-gram prompt lookup, or none (plain decoding)."""
+    drafter: Literal["model", "ngram", "medusa", "none"] = "model"
+    """Default proposer: the draft model, n-gram prompt lookup, Medusa heads (medusa_heads.safetensors
+    beside the target, from `spec-cluster models train-medusa`; in-process, gamma = tree nodes),
+    or none (plain decoding)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weight and activation dtype; bfloat16 on GPUs, float32 for exact CPU runs."""
     device: str = "auto"

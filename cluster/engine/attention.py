@@ -32,6 +32,7 @@ class AttnContext:
     write_rows: torch.Tensor  # [N] its slot
     write_cols: torch.Tensor  # [N] its position in the slot
     sdpa_mask: torch.Tensor | None = None  # [B, 1, T, max_kv], built once per step
+    tree_mask: torch.Tensor | None = None  # [B, T, T] bool: new token t sees new token j (tree verify)
 
     @classmethod
     def build(cls, slots: list[int], cache_lens: list[int], q_lens: list[int], device) -> "AttnContext":
@@ -53,10 +54,25 @@ def write_kv(k, v, k_cache, v_cache, ctx: AttnContext) -> None:
     v_cache[ctx.write_rows, ctx.write_cols] = v.flatten(0, 1)[ctx.write_src].to(v_cache.dtype)
 
 
+def sdpa_mask(ctx: AttnContext, device) -> torch.Tensor:
+    """[B, 1, T, max_kv] bool. Causal by position, or, with a tree mask, the cached prefix
+    plus the new tokens the tree lets each one see (its ancestors and itself): tree nodes
+    share positions (cache_len + depth), so position alone cannot tell branches apart."""
+    kv_pos = torch.arange(ctx.max_kv, device=device)
+    if ctx.tree_mask is None:
+        return (kv_pos[None, None, :] <= ctx.positions[:, :, None])[:, None]
+    rel = kv_pos[None, :] - ctx.cache_lens[:, None]                       # [B, L] index among new tokens
+    new = (rel >= 0) & (rel < ctx.width)
+    idx = rel.clamp(0, ctx.width - 1)[:, None, :].expand(-1, ctx.width, -1)
+    seen = ctx.tree_mask.gather(2, idx) & new[:, None, :]                  # [B, T, L]
+    return (seen | (rel < 0)[:, None, :])[:, None]
+
+
 class SdpaBackend:
     """PyTorch scaled_dot_product_attention over the gathered slot prefix (CPU, any GPU)."""
 
     name = "sdpa"
+    supports_tree = True  # arbitrary masks: a draft tree verifies in one row
 
     def __call__(self, q, k, v, k_cache, v_cache, ctx: AttnContext) -> torch.Tensor:
         # q: [B, T, H, D]; k, v: [B, T, Hkv, D]; caches: [S, cap, Hkv, D]
@@ -64,8 +80,7 @@ class SdpaBackend:
         keys = k_cache[ctx.slots, : ctx.max_kv].transpose(1, 2)    # [B, Hkv, L, D]
         vals = v_cache[ctx.slots, : ctx.max_kv].transpose(1, 2)
         if ctx.sdpa_mask is None:  # causal over each row's own prefix, shared by all layers
-            kv_pos = torch.arange(ctx.max_kv, device=q.device)
-            ctx.sdpa_mask = (kv_pos[None, None, :] <= ctx.positions[:, :, None])[:, None]
+            ctx.sdpa_mask = sdpa_mask(ctx, q.device)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.to(q.dtype), vals.to(q.dtype),
             attn_mask=ctx.sdpa_mask, enable_gqa=q.shape[2] != k.shape[2],
@@ -83,11 +98,13 @@ class Fa3Backend:
     """
 
     name = "fa3"
+    supports_tree = False  # causal only: tree drafters propose a single path here
 
     def __init__(self, fn):
         self.fn = fn
 
     def __call__(self, q, k, v, k_cache, v_cache, ctx: AttnContext) -> torch.Tensor:
+        assert ctx.tree_mask is None, "fa3 has no arbitrary masks"
         write_kv(k, v, k_cache, v_cache, ctx)
         seqlens = (ctx.cache_lens + ctx.width).to(torch.int32)
         out = self.fn(q, k_cache, v_cache, cache_seqlens=seqlens,

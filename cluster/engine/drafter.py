@@ -48,6 +48,9 @@ class DraftOutput:
     q_ids: list[np.ndarray]          # per request [n, K] int32 support of each proposal
     q_probs: list[np.ndarray]        # per request [n, K] float32 probabilities on that support
     seconds: float = 0.0
+    # per request, a tree instead of a chain: each draft's parent draft, -1 for the last
+    # accepted token (parents first; see cluster.engine.tree). None: every row is a chain.
+    parents: list[list[int] | None] | None = None
 
     @classmethod
     def make_dummy(cls) -> "DraftOutput":
@@ -61,6 +64,7 @@ def one_hot(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
 class Drafter(abc.ABC):
     name = "drafter"
     remote = False  # True: calls run in another process, so the engine drafts a step ahead
+    needs_hidden = False  # True: the engine keeps each sequence's last hidden state (Sequence.hidden)
 
     @abc.abstractmethod
     def propose(self, requests: list[DraftRequest]) -> DraftOutput: ...

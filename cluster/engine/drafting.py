@@ -72,6 +72,10 @@ class DraftPlanner:
         out.tokens[b] = res.tokens[j][start:start + g]
         out.q_ids[b] = res.q_ids[j][start:start + g]
         out.q_probs[b] = res.q_probs[j][start:start + g]
+        if res.parents is not None and res.parents[j] is not None:
+            # a prefix of a parents-first tree is a tree; trees are never drafted ahead (start 0)
+            out.parents = out.parents or [None] * len(out.tokens)
+            out.parents[b] = res.parents[j][:g] if start == 0 else None
 
     def _result(self, name: str, fut: Future) -> DraftOutput | None:
         try:

@@ -27,6 +27,7 @@ from cluster.engine.sampling import InvalidRequest, SamplingParams, rejection_sa
 from cluster.engine.scheduler import EngineConfig, Scheduler
 from cluster.engine.sequence import RequestOutput, Sequence, SpecParams
 from cluster.engine.stopping import Detokenizer
+from cluster.engine.tree import verify_tree
 from cluster.policy.controller import StepObservation
 
 log = logging.getLogger(__name__)
@@ -140,8 +141,8 @@ class Engine:
 
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
         seqs = [s for s, _ in chunks]
-        logits = self.runner.forward([s.slot for s in seqs], [s.num_cached for s in seqs],
-                                     [s.token_ids[s.num_cached:s.num_cached + n] for s, n in chunks], last_only=True)
+        feeds = [s.token_ids[s.num_cached:s.num_cached + n] for s, n in chunks]
+        logits, hidden = self.runner.forward([s.slot for s in seqs], [s.num_cached for s in seqs], feeds, True, hidden=True)
         done = []
         for b, (seq, n) in enumerate(chunks):
             seq.num_cached += n
@@ -152,7 +153,7 @@ class Engine:
         if not done:
             return []
         first = self._sample([seqs[b] for b in done], logits[done][:, None], DraftOutput([[]] * len(done), [], []))
-        return self._accept([seqs[b] for b in done], first, [0] * len(done))
+        return self._keep_hidden(self._accept([seqs[b] for b in done], first, [0] * len(done)), hidden[done])
 
     def _gammas(self) -> dict[str, int]:
         rows = [s for s in self.scheduler.running if s.prefilled]
@@ -175,11 +176,16 @@ class Engine:
         drafts = self.planner.draft(rows)
         t1 = time.perf_counter()
         feeds = [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts.tokens)]
-        logits = self.runner.forward([s.slot for s in seqs], [s.num_cached for s in seqs], feeds, last_only=False)
-        out = self._sample(seqs, logits, drafts)
+        logits, hidden = self.runner.forward([s.slot for s in seqs], [s.num_cached for s in seqs], feeds,
+                                             last_only=False, trees=drafts.parents, hidden=True)
+        if drafts.parents is None:  # chains only; ends: feed index of each row's last accepted token
+            out = self._sample(seqs, logits, drafts)
+            ends = [len(o) - 1 for o in out]
+        else:  # some rows drafted trees (Medusa)
+            out, ends = verify_tree(self, seqs, logits, drafts)
         t2 = time.perf_counter()
         num_draft = [len(d) for d in drafts.tokens]
-        accepted = self._accept(seqs, out, num_draft)
+        accepted = self._keep_hidden(self._accept(seqs, out, num_draft), hidden, ends)
         obs = observation(len(seqs), sum(map(len, feeds)), t2 - t1, t1 - t0, num_draft, [len(o) - 1 for o in out])
         if self.controller:
             self.controller.observe(obs)
@@ -234,6 +240,14 @@ class Engine:
                     break
             if seq.finish_reason:
                 self._release(seq, seq.finish_reason)
+        return seqs
+
+    def _keep_hidden(self, seqs: list[Sequence], hidden: torch.Tensor, ends: list[int] | None = None) -> list[Sequence]:
+        """Keep the target's state at each row's last accepted token (feed index ends[b]) for Medusa."""
+        if any(getattr(d, "needs_hidden", False) for d in self.drafters.values()):
+            h = hidden if ends is None else hidden[torch.arange(len(seqs)), torch.tensor(ends, device=hidden.device)]
+            for s, x in zip(seqs, h):
+                s.hidden = (len(s.token_ids), x)
         return seqs
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

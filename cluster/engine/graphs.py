@@ -26,14 +26,15 @@ class _Graph:
         self.slots = torch.full((batch,), kv.num_slots, dtype=torch.int64, device=dev)  # scratch slot
         self.lens = torch.zeros((batch,), dtype=torch.int64, device=dev)
         self.graph = torch.cuda.CUDAGraph()
-        run = lambda: model.logits(model(self.ids, *self._ctx(kv, width), num_layers))  # noqa: E731
+        run = lambda: model(self.ids, *self._ctx(kv, width), num_layers)  # noqa: E731
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            run()  # warm-up allocations outside the graph
+            model.logits(run())  # warm-up allocations outside the graph
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(self.graph, pool=pool):
-            self.out = run()
+            self.hidden = run()  # kept for drafters that read the target's hidden states (Medusa)
+            self.out = model.logits(self.hidden)
 
     def _ctx(self, kv, width: int):
         ar = torch.arange(width, device=self.ids.device)
@@ -57,8 +58,9 @@ class GraphRunner:
 
     @torch.inference_mode()
     def forward(self, slots: list[int], cache_lens: list[int], tokens: list[list[int]],
-                num_layers: int | None = None) -> torch.Tensor:
-        """[B, T, V] logits; T = the longest row. `num_layers` < all: an early-exit pass."""
+                num_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T, V] logits and [B, T, D] hidden states (static buffers: read them before the
+        next replay); T = the longest row. `num_layers` < all: an early-exit pass."""
         b, width = len(tokens), max(map(len, tokens))
         bucket = next(x for x in BUCKETS if x >= b)
         key = (bucket, width, num_layers)
@@ -75,4 +77,4 @@ class GraphRunner:
         g.lens.zero_()
         g.lens[:b].copy_(torch.tensor(cache_lens), non_blocking=True)
         g.graph.replay()
-        return g.out[:b]
+        return g.out[:b], g.hidden[:b]

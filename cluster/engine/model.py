@@ -199,7 +199,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str)
     shape = ModelShape.from_hf(cfg)
     with torch.device("meta"):
         model = CausalLM(shape, cfg)
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(f for f in path.glob("*.safetensors") if f.name != "medusa_heads.safetensors")  # not the model's
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
     state = {}

@@ -7,6 +7,7 @@ import torch
 from cluster.engine.attention import AttnContext, make_backend
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.model import CausalLM
+from cluster.engine.tree import tree_layout
 
 
 class Runner:
@@ -25,19 +26,27 @@ class Runner:
 
     @torch.inference_mode()
     def forward(self, slots: list[int], cache_lens: list[int], tokens: list[list[int]],
-                last_only: bool, num_layers: int | None = None) -> torch.Tensor:
+                last_only: bool, num_layers: int | None = None, trees: list[list[int] | None] | None = None,
+                hidden: bool = False):
         """Append `tokens[b]` to slot `slots[b]` (after `cache_lens[b]` cached tokens).
 
         Returns fp32 logits: [B, V] for each row's last token, or [B, T, V] for every
-        (padded) position when `last_only` is False.
+        (padded) position when `last_only` is False; with `hidden`, (logits, hidden states)
+        at the same positions. `trees[b]`, where not None, makes row b a draft tree
+        ([root] + nodes, see cluster.engine.tree) instead of a chain.
         """
         q_lens = [len(t) for t in tokens]
-        if self.graphs is not None and self.graphs.eligible(len(tokens), max(q_lens)):
-            logits = self.graphs.forward(slots, cache_lens, tokens, num_layers)
+        tree = trees is not None and any(t is not None for t in trees)
+        if self.graphs is not None and not tree and self.graphs.eligible(len(tokens), max(q_lens)):
+            logits, h = self.graphs.forward(slots, cache_lens, tokens, num_layers)
             if last_only:
-                return logits[torch.arange(len(tokens), device=self.device), torch.tensor(q_lens, device=self.device) - 1]
-            return logits
+                last = torch.arange(len(tokens), device=self.device), torch.tensor(q_lens, device=self.device) - 1
+                logits, h = logits[last], h[last]
+            return (logits, h) if hidden else logits
         ctx = AttnContext.build(slots, cache_lens, q_lens, self.device)
+        if tree:
+            depth, ctx.tree_mask = tree_layout(trees, ctx.width, self.device)
+            ctx.positions = ctx.cache_lens[:, None] + depth
         assert ctx.max_kv <= self.kv.capacity, "slot capacity exceeded"
         ids = torch.zeros((len(tokens), ctx.width), dtype=torch.int64)
         for b, t in enumerate(tokens):
@@ -45,4 +54,4 @@ class Runner:
         h = self.model(ids.to(self.device), ctx.positions, self.kv, ctx, num_layers)
         if last_only:
             h = h[torch.arange(len(tokens), device=self.device), ctx.q_lens - 1]
-        return self.model.logits(h)
+        return (self.model.logits(h), h) if hidden else self.model.logits(h)

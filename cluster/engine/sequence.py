@@ -89,6 +89,9 @@ class Sequence:
     sent_chars: int = 0
     generator: torch.Generator | None = None
     stats: SeqStats = field(default_factory=SeqStats)
+    # (len(token_ids) when taken, the target's last hidden state [D] there): kept only while a
+    # drafter reads hidden states (Medusa heads), and only fresh while the length still matches
+    hidden: tuple[int, torch.Tensor] | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from cluster.config import ClusterConfig, resolve_model_path
 from cluster.engine.drafter import Drafter, ModelDrafter, NgramDrafter
 from cluster.engine.engine import DTYPES, Engine
+from cluster.engine.medusa import HEADS_FILE, MedusaDrafter, has_heads
 from cluster.engine.model import load_model
 
 
@@ -28,6 +29,10 @@ def build_engine(cfg: ClusterConfig, remote_drafter: Drafter | None = None) -> E
     if cfg.models.draft:
         drafters["model"] = remote_drafter or build_model_drafter(cfg)
     default = None if cfg.models.drafter == "none" else cfg.models.drafter
+    if default == "medusa" and not has_heads(target):
+        raise ValueError(f"drafter 'medusa' needs {HEADS_FILE} in {target} (spec-cluster models train-medusa)")
     engine = Engine(model, AutoTokenizer.from_pretrained(target), ec, drafters, default, identity=cfg.models.target)
+    if has_heads(target):  # Medusa runs in the verifier: it reads the engine's hidden states
+        engine.drafters["medusa"] = MedusaDrafter.load(engine, target)
     engine.controller = make_controller(cfg.speculation)
     return engine

@@ -224,8 +224,8 @@ class Router:
             if spec.mode == "fixed" and not 0 <= spec.gamma <= self.cfg.speculation.gamma_max:
                 raise InvalidRequest(f"speculation gamma must be in [0, {self.cfg.speculation.gamma_max}], "
                                      f"got {spec.gamma}")
-            if req.drafter and req.drafter not in ("model", "ngram"):
-                raise InvalidRequest(f"unknown drafter {_short(req.drafter)} (model or ngram)")
+            if req.drafter and req.drafter not in ("model", "ngram", "medusa"):
+                raise InvalidRequest(f"unknown drafter {_short(req.drafter)} (model, ngram or medusa)")
         except InvalidRequest as e:
             raise bad(str(e)) from None
         ids = self.tokenizer.encode(req.prompt)
