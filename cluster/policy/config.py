@@ -72,9 +72,6 @@ class SpeculationPolicyConfig(BaseModel):
     """Per-position acceptance assumed before measurements (pseudo-counts, fades out)."""
     prior_weight: float = Field(default=16.0, gt=0.0)
     """How many proposed tokens the prior acceptance is worth."""
-    acceptance_bonus: float = Field(default=0.5, ge=0.0)
-    """Decisions use acceptance plus this many standard errors (its evidence fades each
-    step): what has not been measured lately gets tried again where it could pay."""
     prior_draft_cost_ratio: float = Field(default=0.05, ge=0.0)
     """Before the draft cost is measured: one draft token of one sequence costs this
     fraction of a target pass over the batch."""
@@ -92,6 +89,8 @@ class SpeculationPolicyConfig(BaseModel):
     def _consistent(self) -> "SpeculationPolicyConfig":
         if self.gamma > self.gamma_max:
             raise ValueError(f"gamma ({self.gamma}) must be <= gamma_max ({self.gamma_max})")
+        if 0.0 < self.cost_clip <= 1.0:
+            raise ValueError(f"cost_clip ({self.cost_clip}) must be 0 (off) or greater than 1")
         if self.mode == "table" and not self.table:
             raise ValueError("table must have at least one row when mode is 'table'")
         rows = sorted(enumerate(self.table), key=lambda r: r[1].min_concurrency)
@@ -127,9 +126,16 @@ class DeploymentScaling(BaseModel):
     """Load must stay high this long before Serve adds replicas (Serve applies it)."""
     downscale_delay_s: float = Field(default=60.0, ge=0.0)
     """Load must stay low this long before Serve removes replicas (Serve applies it)."""
-    look_back_period_s: float = Field(default=15.0, gt=10.0)
-    """Window over which Serve averages the reported metric; must exceed Serve's
-    metrics_interval_s (10 s)."""
+    initial_replicas: Optional[int] = Field(default=None, ge=0)
+    """Replicas to start with (between min and max); None starts at min_replicas."""
+    look_back_period_s: float = Field(default=15.0, gt=0.0)
+    """Window over which Serve averages the reported metric; must exceed
+    metrics_interval_s (replicas report once per interval, so a shorter window can
+    hold no fresh report; Serve 2.60 only warns, and says a future release will refuse)."""
+    metrics_interval_s: float = Field(default=10.0, gt=0.0)
+    """How often replicas push their metric to Serve's controller (Serve's own default,
+    10 s; deprecated in Serve in favour of an environment variable it does not read yet).
+    Lower it, with look_back_period_s, for faster reactions."""
     tolerance: float = Field(default=0.1, ge=0.0, lt=1.0)
     """Dead band: hold the replica count while load is within this fraction of target."""
 
@@ -139,10 +145,17 @@ class DeploymentScaling(BaseModel):
             raise ValueError(
                 f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})"
             )
+        n = self.initial_replicas
+        if n is not None and not self.min_replicas <= n <= self.max_replicas:
+            raise ValueError(f"initial_replicas ({n}) must be between min_replicas ({self.min_replicas}) "
+                             f"and max_replicas ({self.max_replicas})")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(f"look_back_period_s ({self.look_back_period_s}) must be greater than "
+                             f"metrics_interval_s ({self.metrics_interval_s})")
         return self
 
     def _serve_dict(self, policy: str, kwargs: dict) -> dict:
-        return {
+        out = {
             "min_replicas": self.min_replicas,
             "max_replicas": self.max_replicas,
             "upscale_delay_s": self.upscale_delay_s,
@@ -153,6 +166,11 @@ class DeploymentScaling(BaseModel):
                 "policy_kwargs": {"tolerance": self.tolerance, **kwargs},
             },
         }
+        if self.initial_replicas is not None:
+            out["initial_replicas"] = self.initial_replicas
+        if self.metrics_interval_s != 10.0:  # Serve warns (deprecated) whenever it is set
+            out["metrics_interval_s"] = self.metrics_interval_s
+        return out
 
 
 class VerifierScaling(DeploymentScaling):
@@ -213,17 +231,18 @@ def _load(path: str | Path, model: Type[M]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise PolicyConfigError("\n".join(_describe(path, err) for err in e.errors())) from None
+        raise PolicyConfigError("\n".join(describe_error(path, err) for err in e.errors())) from None
 
 
-def _describe(path: Path, err: dict) -> str:
+def describe_error(path: str | Path, err: dict) -> str:
+    """One pydantic error as `path: field 'a.b[2].c': message (got value)`."""
     # Cross-field checks have no location; their messages start with the field's name.
     msg = err["msg"].removeprefix("Value error, ")
     if not err["loc"]:
         return f"{path}: {msg}"
     field = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
     got = err.get("input")
-    if not isinstance(got, (dict, list)) and err["type"] != "missing":
+    if not isinstance(got, (dict, list)) and err["type"] != "missing" and str(got) not in msg:
         msg += f" (got {got!r})"
     return f"{path}: field '{field}': {msg}"
 

@@ -12,16 +12,21 @@ before the batch fills rather than one burst late. `cluster_inflight=0` means un
 Goodput mode models one step at batch b and gamma g as
     tokens out  = b * E[N|g],  E[N|g] = 1 + sum_{j=1..g} prod_{i<=j} a_i
     step time   = t_verify(b, g) + t_draft(b, g)
-    t_verify    = c0 + c_row*b + c1*(b*g + prefill)
-    t_draft     = d0 + d_row*b + d_pass*g + d1*b*g      (0 when g = 0)
-with a_i the acceptance rate of draft position i given all before it were accepted. Rows
-and tokens are separate terms because on a CPU (and in the sampler everywhere) a row costs
-far more than one more token in it: a one-line fit over tokens alone mistakes the per-row
-cost for a per-token one when the batch grows, overprices drafts and turns speculation off
-where it still pays. Likewise a draft costs g sequential passes (d_pass) as well as work
-per row and token. The fits (cluster.policy.fit) are shared across batch sizes, so the
-costs measured at one concurrency predict the next; periodic probe steps at other gammas
-keep every term measured.
+    t_verify    = c0 + c_row*b + c1*(b*g + prefill) + c_draft_row*b*[g > 0]
+    t_draft     = d0 + d_pass*g + d1*b*g                (0 when g = 0)
+with a_i the acceptance rate of draft position i given all before it were accepted
+(cluster.policy.acceptance: recent and long-run estimates). Rows and tokens are separate
+terms because a row costs far more than one more token in it (the sampler, per-row work;
+on the CPU demo pair about 1 ms a row against 0.2 ms a token): a one-line fit over tokens
+mistakes the per-row cost for a per-token one as the batch grows, overprices drafts and
+turns speculation off where it still pays. A row that carries drafts costs more again
+(multi-token attention, rejection sampling), so plain decoding is cheaper than the
+per-token slope says. A draft is g sequential passes (d_pass), each with work per row (d1).
+
+The fits (cluster.policy.fit) span batch sizes, so costs measured at one concurrency
+predict the next. Probe steps at other gammas (see GoodputController._probe) keep every
+term measured, and a switch needs `hysteresis` more expected goodput, so gamma does not
+flap on noise.
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cluster.policy.acceptance import Acceptance
 from cluster.policy.config import SpeculationPolicyConfig
 from cluster.policy.fit import CostFit
 
 REFIT_EVERY = 4  # steps between cost re-fits on the hot path (the costs drift slowly)
+DITHER_EVERY = 4  # every 4th step runs at gamma +-1 (see GoodputController._dither)
 
 
 @dataclass
@@ -122,87 +129,58 @@ class GoodputController(_Base):
     def __init__(self, cfg: SpeculationPolicyConfig):
         super().__init__(cfg)
         gmax = cfg.gamma_max
-        # Acceptance as decayed counts plus prior pseudo-counts (`_prior_mass`) that decay
-        # with each observation of their position: the prior fades as data arrives
-        # instead of switching off at a threshold. The data decays every step, drafted or
-        # not, so what was measured long ago counts for less and less (see _optimistic).
-        self._acc = [0.0] * gmax
-        self._reached = [0.0] * gmax
-        self._prior_mass = [cfg.prior_weight] * gmax
-        self._mass_floor = min(1.0, cfg.prior_weight)
-        # Features: verify [1, b, drafted + prefill]; draft [1, b, g, drafted]. The ridge
-        # leans an unresolved split towards the cheaper reading for speculation (per-pass
-        # rather than per-row draft cost), so the controller tries it and learns.
+        self._acceptance = Acceptance(gmax, cfg.alpha, cfg.prior_acceptance, cfg.prior_weight)
+        # Features: verify [1, b, drafted + prefill, rows drafting]; draft [1, g, drafted].
+        # While steps at only two gammas (one of them 0) cannot tell a fixed cost of
+        # drafting rows from a per-token one, the stronger ridge on the former reads it as
+        # per token; steps at a third gamma separate them.
         eps = cfg.cost_ridge
         clip, warm = cfg.cost_clip, cfg.min_observations
-        self._verify = CostFit(3, cfg.cost_alpha, [0.0, eps, eps], clip, warm)
-        self._draft = CostFit(4, cfg.cost_alpha, [0.0, eps, eps, 10 * eps], clip, warm)
+        self._verify = CostFit(4, cfg.cost_alpha, [0.0, eps, eps, 30 * eps], clip, warm)
+        # Drafts: at one batch size per-pass and per-row-pass costs are one term; reading
+        # it as per pass keeps drafting looking affordable at a larger batch, so drafts are
+        # made there and measured (reading it as per row would hold gamma at 0 unmeasured).
+        # Draft times also carry the drafter's prefill of each new sequence's prompt (in
+        # its first propose call): a per-request cost, tiny per token, but a spike in the
+        # step it lands in; a tighter clip keeps those spikes from reading as step costs.
+        self._draft = CostFit(3, cfg.cost_alpha, [0.0, eps, 10 * eps], min(clip, 1.5) if clip else 0.0, warm)
+        self._drafted_before = False  # did the previous step draft (see observe)
         self._prefill = 0.0  # EWMA of non-decode tokens per step
         self._steps = 0
         self._probes = 0
         self._probed_at = -1
+        self._probe_again = None  # a probe up from 0 lasts two steps (see _probe)
+        self._dithers = 0
         self._last = min(cfg.gamma, gmax)
-        self._expected = self._expected_tokens(self._optimistic())
+        self._expected = self._expected_tokens()
 
     # --- learning -------------------------------------------------------------
     def observe(self, obs: StepObservation) -> None:
         if obs.batch_size <= 0:
             return
         self._steps += 1
-        keep, a = 1.0 - self.cfg.alpha, self.cfg.alpha
-        self._acc = [keep * x for x in self._acc]
-        self._reached = [keep * x for x in self._reached]
-        prev_accepted = None
-        for j in range(min(len(obs.proposed_per_position), self.cfg.gamma_max)):
-            # Sequences that reached position j: proposed it and accepted all before it.
-            # Exact when the step used one gamma; an upper bound on the denominator otherwise.
-            reached = obs.proposed_per_position[j]
-            if prev_accepted is not None:
-                reached = min(reached, prev_accepted)
-            accepted = obs.accepted_per_position[j] if j < len(obs.accepted_per_position) else 0
-            prev_accepted = accepted
-            if reached > 0:
-                self._acc[j] += accepted
-                self._reached[j] += reached
-                self._prior_mass[j] = max(self._mass_floor, keep * self._prior_mass[j])
-        self._expected = self._expected_tokens(self._optimistic())
+        a = self.cfg.alpha
+        self._acceptance.observe(obs.proposed_per_position, obs.accepted_per_position)
+        self._expected = self._expected_tokens()
         b = obs.batch_size
         extra = max(0, obs.verify_tokens - b - obs.drafted)
-        self._verify.add([1.0, b, obs.drafted + extra], obs.verify_s)
+        drafting = obs.proposed_per_position[0] if obs.proposed_per_position else 0
+        self._verify.add([1.0, b, obs.drafted + extra, drafting], obs.verify_s)
         self._prefill = (1 - a) * self._prefill + a * extra
-        if obs.drafted > 0:
-            self._draft.add([1.0, b, obs.gamma, obs.drafted], obs.draft_s)
+        if obs.drafted > 0 and self._drafted_before:
+            # The first drafting step after plain ones pays the drafter's catch-up over
+            # every token it missed: a cost of switching, not of drafting at this gamma.
+            self._draft.add([1.0, obs.gamma, obs.drafted], obs.draft_s)
+        self._drafted_before = obs.drafted > 0
 
     def acceptance(self) -> list[float]:
-        """Per-position conditional acceptance. A position's prior is the larger of
-        `prior_acceptance` and the position before's estimate: deeper positions are
-        rarely reached at a low gamma, and a fixed pessimistic prior there would keep
-        gamma low for good (the conditional rate is roughly flat in depth on real pairs;
-        if it falls, drafting there measures it)."""
-        out, prev = [], self.cfg.prior_acceptance
-        for acc, r, m in zip(self._acc, self._reached, self._prior_mass):
-            a = min(1.0, (acc + m * prev) / (r + m)) if r + m > 0 else prev
-            out.append(a)
-            prev = max(self.cfg.prior_acceptance, a)
-        return out
+        """Per-position conditional acceptance (cluster.policy.acceptance)."""
+        return self._acceptance.rates()
 
-    def _optimistic(self) -> list[float]:
-        """Acceptance plus `acceptance_bonus` standard errors, for deciding. Evidence fades
-        each step, so a position not drafted for a while (gamma went down, or to 0) gets
-        uncertain, its optimistic rate rises, and the controller drafts there again to
-        look, but only where speculation could pay at that optimistic rate: at a batch
-        so large that even perfect acceptance would not pay, it never looks."""
-        k = self.cfg.acceptance_bonus
-        est = self.acceptance()
-        if not k:
-            return est
-        return [min(1.0, p + k * math.sqrt(p * (1.0 - p) / (r + m + 1.0)))
-                for p, r, m in zip(est, self._reached, self._prior_mass)]
-
-    def _expected_tokens(self, acceptance: list[float] | None = None) -> list[float]:
+    def _expected_tokens(self) -> list[float]:
         """E[N|g] for g = 0..gamma_max."""
         out, run, prod = [1.0], 1.0, 1.0
-        for a in acceptance if acceptance is not None else self.acceptance():
+        for a in self.acceptance():
             prod *= a
             run += prod
             out.append(run)
@@ -212,16 +190,16 @@ class GoodputController(_Base):
     def _step_times(self, b: float) -> list[float]:
         """Predicted step seconds at batch b for g = 0..gamma_max (one pass: called per step)."""
         cfg = self.cfg
-        c0, cr, c1 = self._verify.coef(REFIT_EVERY)
+        c0, cr, c1, cj = self._verify.coef(REFIT_EVERY)
         base = c0 + cr * b + c1 * self._prefill
         if self._draft.n >= cfg.min_observations:
-            d0, dr, dp, d1 = self._draft.coef(REFIT_EVERY)
-            fixed, per_g = d0 + dr * b, dp + d1 * b
+            d0, dp, d1 = self._draft.coef(REFIT_EVERY)
+            fixed, per_g = d0, dp + d1 * b
         else:  # prior: g sequential draft passes, each a fraction of a target pass
             fixed, per_g = 0.0, cfg.prior_draft_cost_ratio * base
         out = [max(base, 1e-9)]
         for g in range(1, cfg.gamma_max + 1):
-            out.append(max(base + c1 * b * g + fixed + per_g * g, 1e-9))
+            out.append(max(base + cj * b + c1 * b * g + fixed + per_g * g, 1e-9))
         return out
 
     def goodputs(self, b: float) -> list[float]:
@@ -233,20 +211,39 @@ class GoodputController(_Base):
             return [e[g] / (1.0 + r * g) for g in range(len(e))]
         return [b * eg / t for eg, t in zip(e, self._step_times(b))]
 
-    def _probe(self) -> int | None:
+    def _probe(self, v: list[float]) -> int | None:
         """Every `explore_every` steps one step at another gamma, alternately 0 (cost of
         plain decoding) and higher (acceptance at deeper positions): the cost fit needs
-        more than one gamma to see the slope, and a stale acceptance estimate would
-        otherwise hold gamma at 0 for good once it got there."""
+        more than one gamma to see the slope, and acceptance is only measured where
+        drafts are made. At gamma 0 with speculation predicted within 20% of paying,
+        probes come 4x as often: there a few drafts can change the decision, and with
+        one stream a probe yields a single sample."""
         cfg = self.cfg
-        if not cfg.explore_every or self._steps % cfg.explore_every or self._probed_at == self._steps:
+        if self._probe_again is not None:
+            g, self._probe_again = self._probe_again, None
+            return g
+        every = cfg.explore_every
+        if every and self._last == 0 and max(v[1:], default=0.0) >= 0.8 * v[0]:
+            every = max(1, every // 4)
+        if not every or self._steps % every or self._probed_at == self._steps:
             return None
         self._probed_at = self._steps
         self._probes += 1
         up = min(cfg.gamma_max, max(self._last + 2, cfg.gamma))
         if self._last == 0:
+            # Twice: the first step's drafts pay the drafter's catch-up (not fitted).
+            self._probe_again = up or None
             return up or None
         return 0 if self._last >= cfg.gamma_max or self._probes % 2 else up
+
+    def _dither(self) -> int:
+        """One step in DITHER_EVERY at gamma-1 or gamma+1, in turn. Sitting at one gamma,
+        the steps only measure the cost there; the slope around it (what the next gamma
+        up or down would cost at this batch) would come from other batch sizes, fitted
+        through a line that is only roughly one, and a wrong slope moves gamma to an end.
+        Near the best gamma the goodput curve is flat, so this costs well under 1%."""
+        self._dithers += 1
+        return max(0, min(self.cfg.gamma_max, self._last + (1 if self._dithers % 2 else -1)))
 
     def gamma(self, batch_size: int, cluster_inflight: int = 0) -> int:
         cfg = self.cfg
@@ -255,26 +252,27 @@ class GoodputController(_Base):
             v = self.goodputs(1)
             self._last = cfg.gamma if v[cfg.gamma] > v[0] else 0
             return self._last
-        probe = self._probe()
+        v = self.goodputs(max(1.0, self.concurrency(batch_size, cluster_inflight)))
+        probe = self._probe(v)
         if probe is not None:
             return probe
-        v = self.goodputs(max(1.0, self.concurrency(batch_size, cluster_inflight)))
+        if self._last and self._steps % DITHER_EVERY == DITHER_EVERY - 1:
+            return self._dither()
         best_g = max(range(len(v)), key=v.__getitem__)
         if best_g != self._last and v[best_g] >= v[self._last] * (1.0 + cfg.hysteresis):
             self._last = best_g
         return self._last
 
     def snapshot(self) -> dict:
-        c0, cr, c1 = self._verify.theta
-        d0, dr, dp, d1 = self._draft.theta
+        c0, cr, c1, cj = self._verify.theta
+        d0, dp, d1 = self._draft.theta
         return {
             "mode": self.cfg.mode,
             "gamma": self._last,
             "acceptance": [round(a, 4) for a in self.acceptance()],
-            "expected_tokens": [round(e, 3) for e in self._expected_tokens()],
-            "expected_tokens_optimistic": [round(e, 3) for e in self._expected],
-            "verify_cost": {"c0": c0, "c_row": cr, "c1": c1, "n": self._verify.n},
-            "draft_cost": {"d0": d0, "d_row": dr, "d_pass": dp, "d1": d1, "n": self._draft.n},
+            "expected_tokens": [round(e, 3) for e in self._expected],
+            "verify_cost": {"c0": c0, "c_row": cr, "c1": c1, "c_draft_row": cj, "n": self._verify.n},
+            "draft_cost": {"d0": d0, "d_pass": dp, "d1": d1, "n": self._draft.n},
             "prefill_tokens": self._prefill,
             "steps": self._steps,
             "probes": self._probes,

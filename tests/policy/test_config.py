@@ -52,9 +52,10 @@ def _write(tmp_path, text):
         ("mode: table\ntable:\n"
          "  - {min_concurrency: 9, max_concurrency: 8, gamma: 2}\n", "table[0]"),
         ("mode: table\n", "table"),
+        ("mode: goodput\ncost_clip: 0.5\n", "cost_clip"),
     ],
     ids=["unknown-mode", "negative-gamma", "gamma-over-max", "unknown-key", "overlap", "gap",
-         "negative-row-gamma", "reversed-range", "empty-table"],
+         "negative-row-gamma", "reversed-range", "empty-table", "clip-below-one"],
 )
 def test_bad_policy_names_file_and_field(tmp_path, text, field):
     path = _write(tmp_path, text)
@@ -100,4 +101,20 @@ def test_bad_autoscaling_names_field(tmp_path):
         load_autoscaling(p)
     p.write_text("drafter:\n  target_draft_tokens: 0\n")
     with pytest.raises(PolicyConfigError, match="drafter.target_draft_tokens"):
+        load_autoscaling(p)
+
+
+def test_look_back_must_exceed_metrics_interval(tmp_path):
+    # Serve 2.60 only warns; replicas report once per metrics_interval_s, so a shorter
+    # window holds no fresh report. The bound is relative, not Serve's default 10 s.
+    p = tmp_path / "autoscaling.yaml"
+    p.write_text("drafter:\n  look_back_period_s: 5\n")
+    with pytest.raises(PolicyConfigError, match=r"look_back_period_s \(5.0\) must be greater than metrics_interval_s"):
+        load_autoscaling(p)
+    p.write_text("drafter:\n  look_back_period_s: 3\n  metrics_interval_s: 1\n  min_replicas: 1\n"
+                 "  max_replicas: 2\n  initial_replicas: 2\n")
+    d = load_autoscaling(p).drafter.serve_autoscaling_config()
+    assert (d["look_back_period_s"], d["metrics_interval_s"], d["initial_replicas"]) == (3, 1, 2)
+    p.write_text("drafter:\n  min_replicas: 1\n  max_replicas: 2\n  initial_replicas: 3\n")
+    with pytest.raises(PolicyConfigError, match="initial_replicas"):
         load_autoscaling(p)
