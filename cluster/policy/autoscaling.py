@@ -138,20 +138,25 @@ def drafter_policy(ctx) -> Tuple[int, Dict[str, Any]]:
 
 # --- replica-side meters (what record_autoscaling_stats returns) -----------------------
 class VerifyLoadMeter:
-    """Mean verify tokens per pass since the last report; 0 when idle."""
+    """Mean verify tokens per pass since the reader's last report; 0 when idle.
 
-    def __init__(self):
-        self._tokens = 0
-        self._steps = 0
+    Each reader (Serve's autoscaling, the request router's stats, GetStats) has its own
+    window: with one shared window a read by one emptied it for the next, which then read
+    0 under full load.
+    """
+
+    def __init__(self, readers: tuple[str, ...] = ("autoscaling",)):
+        self._acc = {r: [0, 0] for r in readers}  # reader -> [tokens, steps]
 
     def note_step(self, verify_tokens: int) -> None:
-        self._tokens += verify_tokens
-        self._steps += 1
+        for acc in self._acc.values():
+            acc[0] += verify_tokens
+            acc[1] += 1
 
-    def report(self) -> Dict[str, float]:
-        mean = self._tokens / self._steps if self._steps else 0.0
-        self._tokens = self._steps = 0
-        return {VERIFY_TOKENS_METRIC: float(mean)}
+    def report(self, reader: str = "autoscaling") -> Dict[str, float]:
+        tokens, steps = self._acc.get(reader, (0, 0))
+        self._acc[reader] = [0, 0]
+        return {VERIFY_TOKENS_METRIC: float(tokens / steps if steps else 0.0)}
 
 
 class DraftDemandMeter:

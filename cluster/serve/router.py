@@ -20,6 +20,7 @@ from ray import serve
 from cluster.engine.sampling import InvalidRequest, SamplingParams
 from cluster.engine.sequence import SpecParams
 from cluster.proto import generation_pb2 as pb
+from cluster.serve.stats import cluster_metrics
 from cluster.serve.verifier import ErrorOutput, GenerateCall
 from cluster.serve.wire import Undecodable
 
@@ -128,14 +129,9 @@ class Router:
         snap = await self.board.snapshot.remote() if self.board else {"replicas": {}, "inflight": self.inflight}
         out = pb.Stats()
         fields = pb.ReplicaStats.DESCRIPTOR.fields_by_name
-        drafted = accepted = 0
         for rid, s in sorted(snap["replicas"].items()):
             out.replicas.append(pb.ReplicaStats(**{k: v for k, v in s.items() if k in fields}))
-            drafted += s.get("drafted", 0)
-            accepted += s.get("accepted", 0)
-        out.metrics.update({"inflight": snap["inflight"], "verifier_replicas": len(snap["replicas"]),
-                            "drafted": drafted, "accepted": accepted,
-                            "acceptance_rate": accepted / drafted if drafted else 0.0})
+        out.metrics.update(cluster_metrics(snap["replicas"], snap["inflight"]))
         return out
 
     def Check(self, request, grpc_context=None):

@@ -21,6 +21,7 @@ from cluster.engine.scheduler import QueueFull
 from cluster.engine.sequence import SpecParams
 from cluster.policy.autoscaling import VerifyLoadMeter
 from cluster.serve.metrics import VerifierMetrics
+from cluster.serve.stats import VerifierFigures
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,10 @@ class Verifier:
         self.remote = RemoteDrafter(drafter, cfg.router.drafter_timeout_s, self.replica_id) if drafter else None
         self.engine = build_engine(cfg, self.remote)
         self.cfg = cfg
-        self.load = VerifyLoadMeter()
+        # Three readers (autoscaling, routing stats, GetStats), each with its own window.
+        self.load = VerifyLoadMeter(readers=("autoscaling", "routing", "stats"))
         self.metrics = VerifierMetrics(self.replica_id)
+        self.figures = VerifierFigures()  # the same figures for GetStats
         self.engine.on_verify = self._observe
         self.loop = EngineLoop(self.engine, on_idle=self.remote.flush if self.remote else None)
         self.publisher = self._make_publisher(cfg)
@@ -89,6 +92,7 @@ class Verifier:
     def _observe(self, obs) -> None:
         self.load.note_step(obs.verify_tokens)
         self.metrics.step(obs)
+        self.figures.step(obs)
 
     async def generate(self, call: GenerateCall):
         if self.publisher is not None:
@@ -116,6 +120,7 @@ class Verifier:
                 if finished:
                     pc = self.engine.kv.prefix
                     self.metrics.finished(out.stats["timing"], itl, pc.stats.hit_rate if pc else 0.0)
+                    self.figures.finished(out.stats["timing"]["ttft_ms"], itl)
                     out.replica = self.replica_id  # the Router reports it (GenerateResponse.replica)
                 yield out
         finally:
@@ -130,7 +135,9 @@ class Verifier:
                 s.update(prefix_queries=pc.stats.queries, prefix_hits=pc.stats.hits)
         ctrl = self.engine.controller
         s.update(replica=self.replica_id, node_id=self.node_id, gamma=ctrl.snapshot().get("gamma", 0) if ctrl else self.engine.cfg.gamma,
-                 verify_tokens=int(self.load.report().get("verify_tokens", 0.0)))
+                 verify_tokens=int(self.load.report("stats").get("verify_tokens", 0.0)), **self.figures.snapshot())
+        if self.publisher is not None:
+            s["kvdir_available"] = 1 if self.publisher.directory.available else 0
         return s
 
     def model_info(self) -> dict:
@@ -141,11 +148,11 @@ class Verifier:
                 "placement": self.cfg.placement}
 
     def record_routing_stats(self) -> dict:
-        return {"verify_tokens": self.load.report().get("verify_tokens", 0.0),
+        return {"verify_tokens": self.load.report("routing").get("verify_tokens", 0.0),
                 "running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting)}
 
     def record_autoscaling_stats(self) -> dict:
-        return self.load.report()
+        return self.load.report("autoscaling")
 
     def check_health(self) -> None:
         if not self.loop.alive:

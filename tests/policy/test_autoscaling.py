@@ -55,6 +55,13 @@ def test_meters():
     assert m.report() == {"verify_tokens": 200.0}
     assert m.report() == {"verify_tokens": 0.0}  # idle since the last report
 
+    # Each reader has its own window: the routing stats' read does not empty autoscaling's.
+    m = VerifyLoadMeter(readers=("autoscaling", "routing"))
+    m.note_step(64)
+    assert m.report("routing") == {"verify_tokens": 64.0}
+    assert m.report("autoscaling") == {"verify_tokens": 64.0}
+    assert m.report("routing") == {"verify_tokens": 0.0}
+
     d = DraftDemandMeter(expire_s=2.0)
     d.note_call("v1", 40, now=0.0)
     d.note_call("v1", 64, now=1.0)  # latest per caller, not a sum over calls

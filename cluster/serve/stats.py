@@ -1,0 +1,82 @@
+"""GetStats figures: the same quantities the Prometheus metrics show (cluster/serve/metrics.py,
+deploy/grafana/spec-cluster.json), over gRPC without a Prometheus.
+
+Each verifier keeps a `VerifierFigures` (fed from the same hooks as its metrics) and sends
+`snapshot()` with its stats to the StatsBoard every second; the Router turns the board's
+latest snapshot of every replica into the cluster-wide map with `cluster_metrics`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+RECENT = 256  # latency samples kept per replica: GetStats percentiles cover recent requests
+
+
+class VerifierFigures:
+    """Per-position acceptance counts and recent TTFT/ITL samples of one verifier replica.
+
+    Fed from the engine thread (step) and the event loop (finished), read from the stats
+    reporter's thread: a lock, since copying a deque that another thread appends to raises.
+    """
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.proposed: list[int] = []
+        self.accepted: list[int] = []
+        self.ttft_ms: deque[float] = deque(maxlen=RECENT)
+        self.itl_ms: deque[float] = deque(maxlen=RECENT)
+
+    def step(self, obs) -> None:
+        """After each verify pass, with the StepObservation the metrics get."""
+        with self.lock:
+            n = len(obs.proposed_per_position)
+            if n > len(self.proposed):
+                self.proposed += [0] * (n - len(self.proposed))
+                self.accepted += [0] * (n - len(self.accepted))
+            for j, (p, a) in enumerate(zip(obs.proposed_per_position, obs.accepted_per_position)):
+                self.proposed[j] += p
+                self.accepted[j] += a
+
+    def finished(self, ttft_ms: float, itl_ms: list[float]) -> None:
+        with self.lock:
+            self.ttft_ms.append(ttft_ms)
+            self.itl_ms.extend(itl_ms[-RECENT:])
+
+    def snapshot(self) -> dict:
+        with self.lock:
+            return {"proposed_per_position": list(self.proposed), "accepted_per_position": list(self.accepted),
+                    "recent_ttft_ms": list(self.ttft_ms), "recent_itl_ms": list(self.itl_ms)}
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else 0.0
+
+
+def cluster_metrics(replicas: dict[str, dict], inflight: int) -> dict[str, float]:
+    """Cluster-wide figures from each verifier replica's latest stats."""
+    reps = list(replicas.values())
+    total = lambda key: sum(s.get(key, 0) for s in reps)  # noqa: E731
+    drafted, accepted = total("drafted"), total("accepted")
+    queries, hits = total("prefix_queries"), total("prefix_hits")
+    out = {"inflight": inflight, "verifier_replicas": len(reps), "drafted": drafted, "accepted": accepted,
+           "acceptance_rate": accepted / drafted if drafted else 0.0,
+           "mean_gamma": sum(s.get("gamma", 0) for s in reps) / len(reps) if reps else 0.0,
+           "speculating_replicas": sum(1 for s in reps if s.get("gamma", 0) > 0),
+           "running": total("running"), "waiting": total("waiting"), "verify_tokens": total("verify_tokens"),
+           "prefix_hit_rate": hits / queries if queries else 0.0}
+    width = max((len(s.get("proposed_per_position", [])) for s in reps), default=0)
+    for j in range(width):
+        p = sum(s["proposed_per_position"][j] for s in reps if j < len(s.get("proposed_per_position", [])))
+        a = sum(s["accepted_per_position"][j] for s in reps if j < len(s.get("accepted_per_position", [])))
+        out[f"acceptance_position_{j}"] = a / p if p else 0.0
+    for name in ("ttft_ms", "itl_ms"):
+        xs = [x for s in reps for x in s.get(f"recent_{name}", [])]
+        for q in (50, 95, 99):
+            out[f"{name}_p{q}"] = _percentile(xs, q / 100)
+    up = [s["kvdir_available"] for s in reps if "kvdir_available" in s]
+    if up:  # absent when no replica publishes to a directory
+        out["kvdir_available"] = float(min(up))
+    return out
