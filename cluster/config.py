@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.engine.scheduler import EngineConfig
-from cluster.policy.config import SpeculationPolicyConfig
+from cluster.policy.config import SpeculationPolicyConfig, describe_error, load_policy
 
 DEMO_DIR = Path(__file__).parent / "models" / "demo"
 ALIASES = {"demo-target": DEMO_DIR / "target", "demo-draft": DEMO_DIR / "draft"}
@@ -152,6 +152,8 @@ class ClusterConfig(_Strict):
     models: ModelsConfig = Field(default_factory=ModelsConfig)
     engine: EngineSection = Field(default_factory=EngineSection)
     speculation: SpeculationPolicyConfig = Field(default_factory=lambda: SpeculationPolicyConfig(mode="fixed", gamma=4))
+    """What "auto" requests get: inline (mode, gamma, table, ...) or the path of a policy
+    file such as configs/policy/goodput.yaml (read once, here, relative to the working dir)."""
     placement: Literal["colocated", "disaggregated"] = "disaggregated"
     """colocated: the drafter runs inside the verifier process; disaggregated: its own replicas."""
     verifier: DeploymentSection = Field(default_factory=DeploymentSection)
@@ -161,6 +163,12 @@ class ClusterConfig(_Strict):
     kvdir: KVDirSection = Field(default_factory=KVDirSection)
     autoscaling_file: str | None = None
     """configs/autoscaling.yaml-style file used by deployments with autoscaling: true."""
+
+    @field_validator("speculation", mode="before")
+    @classmethod
+    def _policy_file(cls, v):
+        # A path names a policy file; its errors name that file and its field.
+        return load_policy(v) if isinstance(v, (str, Path)) else v
 
     def engine_config(self) -> EngineConfig:
         s = self.speculation
@@ -186,7 +194,7 @@ def parse_config(data: dict, overrides: dict | None = None, source: str = "<conf
     try:
         return ClusterConfig.model_validate(data)
     except ValidationError as e:
-        msgs = ["{}: field '{}': {}".format(source, ".".join(map(str, err["loc"])), err["msg"]) for err in e.errors()]
+        msgs = [describe_error(source, err) for err in e.errors()]
         raise ConfigError("\n".join(msgs)) from None
 
 
