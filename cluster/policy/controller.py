@@ -212,10 +212,9 @@ class GoodputController(_Base):
         return [b * eg / t for eg, t in zip(e, self._step_times(b))]
 
     def _probe(self, v: list[float]) -> int | None:
-        """Every `explore_every` steps one step at another gamma, alternately 0 (cost of
-        plain decoding) and higher (acceptance at deeper positions): the cost fit needs
-        more than one gamma to see the slope, and acceptance is only measured where
-        drafts are made. At gamma 0 with speculation predicted within 20% of paying,
+        """Every `explore_every` steps one step at another gamma (0, half, higher, in turn):
+        the cost fit needs gammas far apart to see the slope and the step at 0, and
+        acceptance is only measured where drafts are made. At gamma 0 with speculation predicted within 20% of paying,
         probes come 4x as often: there a few drafts can change the decision, and with
         one stream a probe yields a single sample."""
         cfg = self.cfg
@@ -234,7 +233,12 @@ class GoodputController(_Base):
             # Twice: the first step's drafts pay the drafter's catch-up (not fitted).
             self._probe_again = up or None
             return up or None
-        return 0 if self._last >= cfg.gamma_max or self._probes % 2 else up
+        # In turn 0, half the gamma and above it: three gammas far apart pin the cost
+        # line's slope and its step at 0, which dithering by one alone measures poorly.
+        turn = self._probes % 3
+        if turn == 2 and self._last < cfg.gamma_max:
+            return up
+        return self._last // 2 if turn == 1 else 0
 
     def _dither(self) -> int:
         """One step in DITHER_EVERY at gamma-1 or gamma+1, in turn. Sitting at one gamma,

@@ -1,0 +1,136 @@
+"""Where a batch-1 decode step of the 8B-shaped Llama spends its time (GPU machine).
+
+    python3 scripts/gpu_profile.py      # writes $OUT/gpu_profile.json
+
+1. the Triton GEMV against the eager composition (every config), and each projection
+   alone (cuBLAS and Triton) against the copy bandwidth;
+2. the kernels of one eager decode step (torch.profiler), grouped by name;
+3. the CUDA-graph decode step as the engine runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+from cluster.bench.synthetic import copy_bandwidth, cuda_time, NullTokenizer, random_llama
+from cluster.engine.engine import Engine
+from cluster.engine.scheduler import EngineConfig
+
+OUT = os.environ.get("OUT", ".")
+
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),
+          "lm_head": (4096, 128256)}
+
+
+def gemv_correct() -> dict:
+    """Every Triton GEMV config against the eager composition, all fusions, 1 and 5 rows."""
+    import triton
+    from cluster.engine import gemv
+    from cluster.engine.model import linear
+
+    worst = {}
+    k, n = 4096, 1024
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m in (1, 5, 16):
+        for pro in ("none", "norm", "silu", "bias"):
+            x = torch.randn((m, 2 * k if pro == "silu" else k), device="cuda", generator=g).bfloat16()
+            w = (0.02 * torch.randn((n, k), device="cuda", generator=g)).bfloat16()
+            nw = (1 + 0.1 * torch.randn((k,), device="cuda", generator=g)).bfloat16()
+            b = torch.randn((n,), device="cuda", generator=g).bfloat16()
+            r = torch.randn((m, n), device="cuda", generator=g).bfloat16()
+            kw = dict(bias=b if pro == "bias" else None, norm=nw if pro == "norm" else None,
+                      eps=1e-5, silu=pro == "silu", residual=r)
+            ref = linear(x, w, **kw).float()
+            for c in gemv._configs():
+                if c.kwargs["BLOCK_M"] < m:
+                    continue
+                y = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+                gemv._gemv.fn[(triton.cdiv(n, c.kwargs["BLOCK_N"]),)](
+                    x, w, kw["bias"] if kw["bias"] is not None else w, nw, r, y, m, n, k, x.stride(0), y.stride(0),
+                    1e-5, ONE_ROW=m == 1, PRO={"norm": 1, "silu": 2}.get(pro, 0), RES=True, HAS_BIAS=pro == "bias",
+                    num_warps=c.num_warps, num_stages=c.num_stages, **c.kwargs)
+                err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                key = f"m{m}_{pro}"
+                worst[key] = max(worst.get(key, 0.0), err)
+    print("gemv worst relative error per case:", worst, flush=True)
+    assert max(worst.values()) < 2e-2, worst
+    return worst
+
+
+def gemv_table(bw: float) -> dict:
+    from cluster.engine.gemv import fused_linear
+
+    out = {}
+    for name, (k, n) in SHAPES.items():
+        w = torch.randn((n, k), dtype=torch.bfloat16, device="cuda")
+        row = {}
+        for m in (1, 5):
+            x = torch.randn((m, k), dtype=torch.bfloat16, device="cuda")
+            fused_linear(x, w)  # autotune
+            # a fresh weight copy per timing would defeat L2; 4 weights in turn keep it cold
+            ws = [w] + [torch.randn_like(w) for _ in range(3)] if n * k < 200e6 else [w]
+            it = iter(range(10**9))
+            t_cublas = cuda_time(lambda: F.linear(x, ws[next(it) % len(ws)]), 40)
+            t_triton = cuda_time(lambda: fused_linear(x, ws[next(it) % len(ws)]), 40)
+            byts = w.numel() * 2
+            row[f"m{m}"] = {"cublas_us": 1e6 * t_cublas, "triton_us": 1e6 * t_triton,
+                            "cublas_of_bw": byts / t_cublas / bw, "triton_of_bw": byts / t_triton / bw}
+            del ws
+        out[name] = row
+        print(name, row, flush=True)
+    return out
+
+
+def kernel_breakdown(engine) -> dict:
+    run = engine.runner
+    slot = engine.kv.allocate()
+    run.forward([slot], [0], [list(range(1, 513))], last_only=True)
+    graphs, run.graphs = run.graphs, None  # eager: the profiler sees each kernel
+    for _ in range(3):
+        run.forward([slot], [512], [[5]], last_only=False)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run.forward([slot], [512], [[5]], last_only=False)
+        torch.cuda.synchronize()
+    run.graphs = graphs
+    groups = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            g = groups[e.name[:90]]
+            g[0] += 1
+            g[1] += e.device_time
+    rows = sorted(({"kernel": k, "count": c, "us": t} for k, (c, t) in groups.items()), key=lambda r: -r["us"])
+    total = sum(r["us"] for r in rows)
+    for r in rows[:25]:
+        print(f"{r['us']:9.1f} us {r['count']:5d}x  {r['kernel']}", flush=True)
+    t_graph = cuda_time(lambda: run.forward([slot], [512], [[5]], last_only=False), 50)
+    engine.kv.free(slot)
+    return {"kernels_us_total": total, "kernel_count": sum(r["count"] for r in rows), "top": rows[:40],
+            "graph_step_ms": 1e3 * t_graph}
+
+
+def main():
+    bw = copy_bandwidth()
+    R = {"device": torch.cuda.get_device_name(), "copy_bandwidth_TBps": bw / 1e12}
+    R["gemv_max_rel_err"] = gemv_correct()
+    R["gemv"] = gemv_table(bw)
+    model = random_llama()
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=1024, max_batch_tokens=4096, prefill_chunk=512,
+                       prefix_cache_blocks=0, gamma=4, gamma_max=8, device="cuda", dtype="bfloat16",
+                       compile=os.environ.get("COMPILE", "1") == "1")
+    engine = Engine(model, NullTokenizer(), cfg, identity="llama8b-random")
+    R["breakdown"] = kernel_breakdown(engine)
+    print("graph step ms", R["breakdown"]["graph_step_ms"], "kernels", R["breakdown"]["kernel_count"],
+          "kernel us", R["breakdown"]["kernels_us_total"], flush=True)
+    with open(os.path.join(OUT, "gpu_profile.json"), "w") as f:
+        json.dump(R, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
