@@ -53,12 +53,13 @@ def main(argv=None) -> int:
     ap.add_argument("--trees", default="4,8,16,32", help="Medusa sparse-tree sizes (gamma = nodes)")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the demo pair in fp32: SDPA, tree attention)")
     args = ap.parse_args(argv)
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
     trees = [int(g) for g in args.trees.split(",")]
-    engine = build_engine(parse_config({"models": {"device": "cpu"}, "engine": {"max_model_len": 1024},
+    engine = build_engine(parse_config({"models": {"device": args.device}, "engine": {"max_model_len": 1024},
                                         "speculation": {"gamma_max": max(trees + [8])}}))
     medusa = engine.drafters["medusa"]
     engine.drafters["medusa-chain"] = MedusaDrafter(engine, medusa.heads, CHAIN[: medusa.heads.num_heads])
@@ -88,12 +89,12 @@ def main(argv=None) -> int:
         "head_accuracy": {"held_out_top1": [round(a[0], 4) for a in acc], "held_out_top5": [round(sum(a), 4) for a in acc],
                           "validation_top1": [a[0] for a in cfg["head_accuracy_top_i"]],
                           "validation_top5": [round(sum(a), 4) for a in cfg["head_accuracy_top_i"]]}})
-    _plot(results, base, path, args.new_tokens)
+    _plot(results, base, path, args.new_tokens, args.device)
     print(f"wrote {path} and {path.with_suffix('.png')}")
     return 0
 
 
-def _plot(results: list[dict], base: float, path, new_tokens: int) -> None:
+def _plot(results: list[dict], base: float, path, new_tokens: int, device: str = "cpu") -> None:
     plt = figure()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     kind = {"medusa": "medusa\ntree {}", "medusa-chain": "medusa\nchain {}", "ngram": "ngram\ng={}", "model": "model\ng={}"}
@@ -103,7 +104,7 @@ def _plot(results: list[dict], base: float, path, new_tokens: int) -> None:
     x = range(len(labels))
     ax1.bar(x, [r["tokens_per_s"] for r in results[1:]], color=c)
     ax1.axhline(base, color="gray", ls="--", label=f"speculation off ({base:.0f} tok/s)")
-    ax1.set(ylabel="tokens/s (single stream, greedy)", title=f"Demo target on CPU, {new_tokens} new tokens")
+    ax1.set(ylabel="tokens/s (single stream, greedy)", title=f"Demo target on {device.upper()}, {new_tokens} new tokens")
     ax1.legend()
     ax2.bar(x, [r["mean_accepted_len"] for r in results[1:]], color=c)
     ax2.axhline(1, color="gray", ls="--")

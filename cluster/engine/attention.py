@@ -31,6 +31,8 @@ class AttnContext:
     write_src: torch.Tensor   # [N] flat index (b * T + t) of each real new token
     write_rows: torch.Tensor  # [N] its slot
     write_cols: torch.Tensor  # [N] its position in the slot
+    slots_i32: torch.Tensor | None = None      # [B] int32 copies for FA3, made once per step
+    cache_lens_i32: torch.Tensor | None = None  # (not once per layer)
     sdpa_mask: torch.Tensor | None = None  # [B, 1, T, max_kv], built once per step
     tree_mask: torch.Tensor | None = None  # [B, T, T] bool: new token t sees new token j (tree verify)
 
@@ -45,7 +47,8 @@ class AttnContext:
         rows = [s for s, n in zip(slots, q_lens) for _ in range(n)]
         cols = [c + i for c, n in zip(cache_lens, q_lens) for i in range(n)]
         return cls(slots_t, lens_t, q_t, lens_t[:, None] + ar, ar[None, :] < q_t[:, None],
-                   width, max(c + width for c in cache_lens), t(src), t(rows), t(cols))
+                   width, max(c + width for c in cache_lens), t(src), t(rows), t(cols),
+                   slots_t.to(torch.int32), lens_t.to(torch.int32))
 
 
 def write_kv(k, v, k_cache, v_cache, ctx: AttnContext) -> None:
@@ -91,10 +94,12 @@ class SdpaBackend:
 class Fa3Backend:
     """FlashAttention-3 forward (Hopper, bf16) with `cache_batch_idx` over slots.
 
-    New K/V are written by us (padding never lands in a slot); the kernel then attends
-    over `cache_len + T` keys with bottom-right causal alignment, so a real query t sees
-    exactly keys 0..cache_len+t. Padded rows see stale keys, and their outputs are dropped.
-    Slots therefore keep `T` spare positions past max_model_len (see KVCache.capacity).
+    The kernel appends each row's T new keys/values at `cache_len` itself (one kernel, not
+    a scatter per layer), then attends over `cache_len + T` keys with bottom-right causal
+    alignment, so a real query t sees exactly keys 0..cache_len+t. A row shorter than T
+    (padding) writes a few keys past its length, which no query reads before the row's next
+    step overwrites them; slots keep `T` spare positions past max_model_len for this (see
+    KVCache.capacity), and padded rows' outputs are dropped.
     """
 
     name = "fa3"
@@ -105,10 +110,8 @@ class Fa3Backend:
 
     def __call__(self, q, k, v, k_cache, v_cache, ctx: AttnContext) -> torch.Tensor:
         assert ctx.tree_mask is None, "fa3 has no arbitrary masks"
-        write_kv(k, v, k_cache, v_cache, ctx)
-        seqlens = (ctx.cache_lens + ctx.width).to(torch.int32)
-        out = self.fn(q, k_cache, v_cache, cache_seqlens=seqlens,
-                      cache_batch_idx=ctx.slots.to(torch.int32), causal=True)
+        out = self.fn(q, k_cache, v_cache, k=k, v=v, cache_seqlens=ctx.cache_lens_i32,
+                      cache_batch_idx=ctx.slots_i32, causal=True)
         return out[0] if isinstance(out, tuple) else out
 
 

@@ -43,7 +43,8 @@ class _Graph:
         ctx = AttnContext(self.slots, self.lens, torch.full_like(self.lens, width), pos,
                           torch.ones((b, width), dtype=torch.bool, device=self.ids.device), width, kv.capacity,
                           torch.arange(b * width, device=self.ids.device),
-                          self.slots[:, None].expand(b, width).reshape(-1), pos.reshape(-1))
+                          self.slots[:, None].expand(b, width).reshape(-1), pos.reshape(-1),
+                          self.slots.to(torch.int32), self.lens.to(torch.int32))
         return pos, kv, ctx
 
 

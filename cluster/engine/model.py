@@ -70,14 +70,34 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-KERNELS = {"rope": rope, "rms_norm": rms_norm, "silu_mul": silu_mul}
+def linear(x, w, bias=None, norm=None, eps: float = 0.0, silu: bool = False, residual=None):
+    """[residual +] linear([rms_norm(x, norm) | silu_mul(x)]): a projection with its
+    neighbours, so the GPU path can run it as one kernel (cluster.engine.gemv)."""
+    if norm is not None:
+        x = KERNELS["rms_norm"](x, norm, eps)
+    if silu:
+        x = KERNELS["silu_mul"](x)
+    y = F.linear(x, w, bias)
+    return y if residual is None else residual + y
+
+
+KERNELS = {"rope": rope, "rms_norm": rms_norm, "silu_mul": silu_mul, "linear": linear}
 
 
 def compile_kernels() -> None:
-    """Fuse the elementwise pieces with torch.compile (GPU): a decode step is otherwise
-    dozens of tiny kernels per layer. Compiled once per shape family, shared by all layers."""
-    for name, fn in list(KERNELS.items()):
-        KERNELS[name] = torch.compile(fn, dynamic=True)
+    """GPU fast path. Elementwise pieces fused by torch.compile (a decode step is otherwise
+    dozens of tiny kernels per layer), compiled once per shape family and shared by all
+    layers; projections over at most 16 token rows (decode, verify) by the Triton GEMV."""
+    for name in ("rope", "rms_norm", "silu_mul"):
+        KERNELS[name] = torch.compile(KERNELS[name], dynamic=True)
+    from cluster.engine.gemv import MAX_ROWS, fused_linear
+
+    def gpu_linear(x, w, bias=None, norm=None, eps=0.0, silu=False, residual=None):
+        if x.numel() // x.shape[-1] <= MAX_ROWS and x.is_cuda:
+            return fused_linear(x, w, bias, norm, eps, silu, residual)
+        return linear(x, w, bias, norm, eps, silu, residual)
+
+    KERNELS["linear"] = gpu_linear
 
 
 class Rotary(nn.Module):
@@ -103,14 +123,16 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(s.hidden, s.head_dim * (s.heads + 2 * s.kv_heads), bias=s.qkv_bias)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
 
-    def forward(self, x, rot, backend, k_cache, v_cache, ctx):
-        B, T, _ = x.shape
-        s = self.s
-        qkv = self.qkv_proj(x).view(B, T, s.heads + 2 * s.kv_heads, s.head_dim)
+    def forward(self, h, norm: "RMSNorm", rot, backend, k_cache, v_cache, ctx):
+        """h + attention(norm(h))."""
+        B, T, _ = h.shape
+        s, lin = self.s, KERNELS["linear"]
+        qkv = lin(h, self.qkv_proj.weight, self.qkv_proj.bias, norm.weight, norm.eps)
+        qkv = qkv.view(B, T, s.heads + 2 * s.kv_heads, s.head_dim)
         qk = KERNELS["rope"](qkv[:, :, : s.heads + s.kv_heads], *rot)  # q and k rotated in one op
         q, k = qk.split([s.heads, s.kv_heads], dim=2)
         out = backend(q.contiguous(), k, qkv[:, :, s.heads + s.kv_heads:], k_cache, v_cache, ctx)
-        return self.o_proj(out.reshape(B, T, -1))
+        return lin(out.reshape(B, T, -1), self.o_proj.weight, residual=h)
 
 
 class MLP(nn.Module):
@@ -119,8 +141,11 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(s.hidden, 2 * s.intermediate, bias=False)
         self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(KERNELS["silu_mul"](self.gate_up_proj(x)))
+    def forward(self, h, norm: "RMSNorm"):
+        """h + mlp(norm(h))."""
+        lin = KERNELS["linear"]
+        gate_up = lin(h, self.gate_up_proj.weight, norm=norm.weight, eps=norm.eps)
+        return lin(gate_up, self.down_proj.weight, silu=True, residual=h)
 
 
 class RMSNorm(nn.Module):
@@ -159,12 +184,12 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         rot = self.rotary(positions)
         for i, layer in enumerate(self.layers[:num_layers]):
-            h = h + layer.self_attn(layer.input_layernorm(h), rot, self.backend, kv.k[i], kv.v[i], ctx)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = layer.self_attn(h, layer.input_layernorm, rot, self.backend, kv.k[i], kv.v[i], ctx)
+            h = layer.mlp(h, layer.post_attention_layernorm)
         return self.norm(h)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h).float()
+        return KERNELS["linear"](h, self.lm_head.weight).float()
 
 
 def _fuse(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
