@@ -40,7 +40,8 @@ def held_out_accuracy(engine, prompts: list[str], new_tokens: int) -> list[list[
     ranks = []
     for p in prompts:  # one at a time: prompts differ in length
         h, y = continuations(model, [engine.tokenizer.encode(p)], new_tokens, 0.0, 0, batch=1, desc="accuracy")
-        ranks.append(label_ranks(heads, model.lm_head.weight, *head_pairs(h, y, heads.num_heads)))
+        dev = model.lm_head.weight.device  # continuations come back on the CPU
+        ranks.append(label_ranks(heads, model.lm_head.weight, *head_pairs(h.to(dev), y.to(dev), heads.num_heads)).cpu())
     return accuracy(torch.cat(ranks))
 
 

@@ -66,13 +66,15 @@ def continuations(model, prompts: list[list[int]], new: int, temperature: float,
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
         P, B = len(chunk[0]), len(chunk)
-        kv = KVCache(s.layers, B, P + new + 1, s.kv_heads, s.head_dim, torch.float32, "cpu")
+        p = next(model.parameters())  # the model's device: the GPU where there is one
+        kv = KVCache(s.layers, B, P + new + 1, s.kv_heads, s.head_dim, p.dtype, p.device)
         runner, slots = Runner(model, kv, "sdpa"), list(range(B))
         logits, h = runner.forward(slots, [0] * B, chunk, last_only=True, hidden=True)
         h_steps, y_steps = [], []
         for step in range(new):
             if temperature > 0:
-                tok = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
+                probs = torch.softmax(logits / temperature, -1).cpu()  # the seeded generator is a CPU one
+                tok = torch.multinomial(probs, 1, generator=gen)[:, 0].to(logits.device)
             else:
                 tok = logits.argmax(-1)
             h_steps.append(h)
@@ -80,8 +82,8 @@ def continuations(model, prompts: list[list[int]], new: int, temperature: float,
             bar.update(B)
             if step + 1 < new:
                 logits, h = runner.forward(slots, [P + step] * B, tok[:, None].tolist(), last_only=True, hidden=True)
-        hs.append(torch.stack(h_steps, 1))
-        ys.append(torch.stack(y_steps, 1))
+        hs.append(torch.stack(h_steps, 1).cpu())
+        ys.append(torch.stack(y_steps, 1).cpu())
     bar.close()
     return torch.cat(hs), torch.cat(ys)
 

@@ -34,7 +34,8 @@ drafter:
   initial_replicas: 2
   target_draft_tokens: 64
   upscale_delay_s: 0
-  downscale_delay_s: 1
+  downscale_delay_s: 40        # longer than a deploy on a busy 2-core machine (~20 s): the
+                               # test sees the initial 2 before the shrink
   look_back_period_s: 2
   metrics_interval_s: 0.5
 """
@@ -97,7 +98,7 @@ def test_speculation_off_shrinks_drafters_and_load_grows_verifiers(serve_grpc, d
         threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
         for t in threads:
             t.start()
-        wait_for(lambda: counts().get("Drafter") == 1, 60, "drafters to shrink to min_replicas", seen)
+        wait_for(lambda: counts().get("Drafter") == 1, 120, "drafters to shrink to min_replicas", seen)
         wait_for(lambda: counts().get("Verifier") == 2, 90, "a second verifier under load", seen)
         assert not errors, errors[:3]
         stats = client.stats()
@@ -108,4 +109,4 @@ def test_speculation_off_shrinks_drafters_and_load_grows_verifiers(serve_grpc, d
         stop.set()
         client.close()
         serve.delete(name)
-    assert time.monotonic() - t0 < 180
+    assert time.monotonic() - t0 < 300
