@@ -66,6 +66,9 @@ class EngineSection(_Strict):
     """Tokens per prefix block (the unit of the block hash and the KV directory)."""
     prefix_cache_blocks: int = Field(512, ge=0)
     """Prompt blocks kept for reuse per replica; 0 disables the prefix cache."""
+    compile: bool = False
+    """GPU fast path: Triton GEMV with fused norm/SiLU/residual for batch-1 steps and
+    torch.compile'd elementwise kernels (CUDA only; ignored on CPU). Costs warm-up time."""
 
     def engine_config(self, models: ModelsConfig, gamma: int, gamma_max: int) -> EngineConfig:
         device = models.device
