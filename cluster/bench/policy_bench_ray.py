@@ -78,7 +78,8 @@ def main(args) -> int:
     policies = args.policies.split(",")
     reqs = requests(max(levels) * args.rounds, args.min_tokens, args.max_tokens)
     engine_cfg = {"max_num_seqs": max(levels), "max_waiting": max(levels), "max_model_len": 1024}
-    local = build_engine(parse_config({"engine": engine_cfg}))
+    # the reference run takes every request at once: its queue holds them all
+    local = build_engine(parse_config({"engine": {**engine_cfg, "max_waiting": len(reqs)}}))
     ref = {i: r["token_ids"] for i, r in enumerate(local.generate(
         [p for p, _ in reqs], [SamplingParams(max_tokens=m) for _, m in reqs], SpecParams("off")))}
     del local
