@@ -26,6 +26,12 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "cluster" / "models" / "demo"
 BIN = Path(sys.executable).parent
 
+
+def tool(name: str) -> str:
+    """The `ray`/`serve` CLI beside this Python, else on PATH (a venv over site packages)."""
+    here = BIN / name
+    return str(here) if here.exists() else (shutil.which(name) or str(here))
+
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not (DEMO / "target" / "config.json").exists(),
                                  reason="demo models not present (spec-cluster models train-demo)")]
@@ -64,7 +70,7 @@ def ray_head(tmp_path):
     for var in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH"):
         env.pop(var, None)
     log = tmp_path / "ray_start.log"
-    cmd = [str(BIN / "ray"), "start", "--head", "--block", f"--temp-dir={temp_dir}", f"--port={gcs}",
+    cmd = [tool("ray"), "start", "--head", "--block", f"--temp-dir={temp_dir}", f"--port={gcs}",
            f"--ray-client-server-port={client}", f"--dashboard-port={dashboard}",
            f"--dashboard-agent-listen-port={agent}",
            f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
@@ -101,7 +107,7 @@ def test_serve_run_config_file_serves_generate(ray_head, tmp_path):
 
     log = tmp_path / "serve_run.log"
     with open(log, "w") as out:  # cwd elsewhere: the inline config needs no files
-        run = subprocess.run([str(BIN / "serve"), "run", "--non-blocking", "--address", address, str(config)],
+        run = subprocess.run([tool("serve"), "run", "--non-blocking", "--address", address, str(config)],
                              cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=120)
     assert run.returncode == 0, log.read_text()[-3000:]
 
