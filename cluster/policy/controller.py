@@ -214,9 +214,9 @@ class GoodputController(_Base):
     def _probe(self, v: list[float]) -> int | None:
         """Every `explore_every` steps one step at another gamma (0, half, higher, in turn):
         the cost fit needs gammas far apart to see the slope and the step at 0, and
-        acceptance is only measured where drafts are made. At gamma 0 with speculation predicted within 20% of paying,
-        probes come 4x as often: there a few drafts can change the decision, and with
-        one stream a probe yields a single sample."""
+        acceptance is only measured where drafts are made. At gamma 0 with speculation
+        predicted within 20% of paying, probes come 4x as often: there a few drafts can
+        change the decision, and with one stream a probe yields a single sample."""
         cfg = self.cfg
         if self._probe_again is not None:
             g, self._probe_again = self._probe_again, None
@@ -233,8 +233,7 @@ class GoodputController(_Base):
             # Twice: the first step's drafts pay the drafter's catch-up (not fitted).
             self._probe_again = up or None
             return up or None
-        # In turn 0, half the gamma and above it: three gammas far apart pin the cost
-        # line's slope and its step at 0, which dithering by one alone measures poorly.
+        # Dithering by one alone measures the slope poorly (see the docstring).
         turn = self._probes % 3
         if turn == 2 and self._last < cfg.gamma_max:
             return up
