@@ -40,7 +40,7 @@ TOPK = 5  # ranks per head measured (and offered to the tree)
 def prompt_windows(split: str, n: int, length: int, tokenizer, seed: int) -> list[list[int]]:
     """`n` windows of `length` tokens from random files of a split ('train', 'val' or 'held')."""
     from cluster.bench.workloads import SKIP_DIRS
-    from cluster.training.demo import stdlib_files
+    from cluster.training.demo_data import stdlib_files
 
     files = [t for rel, t in stdlib_files()[split] if not SKIP_DIRS & set(rel.split("/")[:-1])]
     rng = random.Random(seed)
