@@ -1,0 +1,56 @@
+"""The demo pair embedded in a larger Llama shape computes the demo pair's function: the
+large benchmark's acceptance is then the trained pair's, measured at the large size."""
+
+from __future__ import annotations
+
+import torch
+
+from cluster.bench.embed import embed_llama
+from cluster.engine.engine import Engine
+from cluster.engine.kv_cache import KVCache
+from cluster.engine.model import load_model
+from cluster.engine.runner import Runner
+from cluster.engine.sampling import SamplingParams
+from cluster.engine.scheduler import EngineConfig
+from cluster.engine.sequence import SpecParams
+
+# a small stand-in for the 8B shape: wider, deeper, more heads, wider heads, more vocabulary
+BIG = dict(vocab_size=5000, hidden_size=512, num_hidden_layers=9, num_attention_heads=16,
+           num_key_value_heads=8, head_dim=64, intermediate_size=1024, max_position_embeddings=2048)
+PROMPT = [5, 17, 300, 42, 99, 1000, 7, 7, 8, 2048, 3]
+
+
+def _logits(model, ids):
+    s = model.shape
+    kv = KVCache(s.layers, 1, 64, s.kv_heads, s.head_dim, torch.float32, "cpu")
+    return Runner(model, kv, "sdpa").forward([0], [0], [ids], last_only=False)[0]
+
+
+def test_embedded_target_keeps_the_small_models_logits(demo_pair):
+    small = load_model(demo_pair[0], torch.float32, "cpu")
+    big = embed_llama(small, BIG, "cpu", torch.float32)
+    assert big.shape.layers == 9 and big.shape.vocab_size == 5000
+    a, b = _logits(small, PROMPT), _logits(big, PROMPT)
+    assert torch.allclose(a, b[:, :4096], atol=1e-4)
+    assert b[:, 4096:].max() < a.min() - 100  # padded tokens are never picked
+
+
+def test_embedded_pair_decodes_like_the_demo_pair(demo_pair):
+    tok = __import__("transformers").AutoTokenizer.from_pretrained(demo_pair[0])
+    cfg = EngineConfig(max_num_seqs=2, max_model_len=256, device="cpu", dtype="float32")
+    prompts = ["def fibonacci(n):", "class Stack:\n    def push(self, x):"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    runs = []
+    for build in (lambda p: load_model(p, torch.float32, "cpu"),
+                  lambda p: embed_llama(load_model(p, torch.float32, "cpu"),
+                                        {**BIG, "hidden_size": 512 if p == demo_pair[0] else 256,
+                                         "num_hidden_layers": 9 if p == demo_pair[0] else 3}, "cpu", torch.float32)):
+        from cluster.engine.drafter import ModelDrafter
+
+        target, draft = build(demo_pair[0]), build(demo_pair[1])
+        eng = Engine(target, tok, cfg, {"model": ModelDrafter(draft, 4, 256, cfg.gamma_max)}, "model")
+        out = eng.generate(prompts, params, SpecParams("fixed", 4))
+        runs.append(([r["token_ids"] for r in out], eng.totals["accepted"] / eng.totals["drafted"]))
+    (small_ids, small_acc), (big_ids, big_acc) = runs
+    assert big_ids == small_ids
+    assert abs(big_acc - small_acc) < 0.05 and big_acc > 0.3  # the trained pair's acceptance survives
