@@ -119,7 +119,8 @@ class ModelDrafter(Drafter):
         p = next(model.parameters())
         # spare positions: a batched catch-up pads short rows up to CATCHUP tokens
         self.kv = KVCache(s.layers, num_slots, max_len + CATCHUP, s.kv_heads, s.head_dim, p.dtype, p.device)
-        self.runner = Runner(model, self.kv)
+        # CUDA graphs for catch-up and draft steps: a small model's step is launches, not math
+        self.runner = Runner(model, self.kv, graph_width=CATCHUP if p.device.type == "cuda" else 0)
         self.max_len = max_len
         self.state: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()  # seq_id -> (slot, cached tokens)
         self.generators: dict[str, torch.Generator] = {}
@@ -174,15 +175,21 @@ class ModelDrafter(Drafter):
         logits = self._catch_up(slots, lens, feed)
         lens = [n + len(f) for n, f in zip(lens, feed)]
         drafts: list[list[int]] = [[] for _ in reqs]
+        greedy = all(r.params.greedy for r in reqs)
         for step in range(max(r.k for r in reqs)):
-            probs = target_probs(logits, [r.params for r in reqs])
-            top_p, top_i = probs.topk(min(TOPK, probs.shape[-1]), dim=-1)
-            top_p = top_p / top_p.sum(-1, keepdim=True)
+            if greedy:  # one argmax and one copy to the host; no softmax over the vocabulary
+                best = logits.argmax(-1).tolist()
+            else:
+                probs = target_probs(logits, [r.params for r in reqs])
+                top_p, top_i = probs.topk(min(TOPK, probs.shape[-1]), dim=-1)
+                top_p = top_p / top_p.sum(-1, keepdim=True)
             picks = []
             for b, r in enumerate(reqs):
                 if step >= r.k:
                     continue
-                if r.params.greedy:
+                if greedy:
+                    tok, ids, ps = best[b], [best[b]], [1.0]
+                elif r.params.greedy:
                     tok, ids, ps = int(top_i[b, 0]), [int(top_i[b, 0])], [1.0]
                 else:
                     j = int(torch.multinomial(top_p[b].cpu(), 1, generator=gens[b]))
