@@ -16,6 +16,8 @@ How the function survives (x real dims = the small model's, every other dim held
   sqrt(r) for the softmax scale 1/sqrt(D_l).
 - rows that write padded dims are 0 on real input columns, so padded dims stay 0 and
   the columns that read padded inputs can keep random values (the bytes are still read).
+  o_proj is 0 outside the real block: an extra q head that shares a real kv head attends
+  uniformly (its q is 0) and outputs the mean of real values, which must not be added.
 - extra layers compute their attention and MLP on random weights, then o_proj and down_proj
   are 0: the residual passes through. Real layers are spread over the depth.
 - padded vocabulary: lm_head rows are 0 on real dims and -M on CONST (the final norm scales
@@ -106,6 +108,7 @@ def embed_llama(small: CausalLM, big: dict, device="cuda", dtype=torch.bfloat16,
         qkv = sp[p + "self_attn.qkv_proj.weight"].clone()
         qkv[: s.heads * s.head_dim] *= q_scale
         _place(at.qkv_proj.weight, qkv, qkv_rows, hid, const)
+        at.o_proj.weight.zero_()  # q heads beside a real one read its values: their output is not 0
         _place(at.o_proj.weight, sp[p + "self_attn.o_proj.weight"], hid, attn_cols, None)
         _place(mlp.gate_up_proj.weight, sp[p + "mlp.gate_up_proj.weight"], gate_up_rows, hid, const)
         _place(mlp.down_proj.weight, sp[p + "mlp.down_proj.weight"], hid, inter, None)

@@ -26,7 +26,7 @@ MAX_ROWS = 1  # one token row (batch-1 decode); more rows go to cuBLAS: with the
 
 def _configs():
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-            for bn in (4, 8, 16) for bk in (256, 512, 1024) for w in (4, 8) for st in (2, 3)
+            for bn in (4, 8, 16) for bk in (128, 256, 512, 1024) for w in (4, 8) for st in (2, 3)
             if bn * bk <= 8192]
 
 
@@ -73,6 +73,10 @@ def _gemv(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, N, K, eps,
         r = tl.load(res_ptr + rn, mask=nmask, other=0.0)
         out = (out.to(tl.float32) + r.to(tl.float32)).to(out_ty)
     tl.store(y_ptr + rn, out, mask=nmask)
+
+
+def supported(k: int) -> bool:
+    return k % 128 == 0  # some BLOCK_K divides K (the loop has no tail)
 
 
 def fused_linear(x: torch.Tensor, w: torch.Tensor, bias=None, norm=None, eps: float = 0.0,

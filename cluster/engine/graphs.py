@@ -22,9 +22,14 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 class _Graph:
     def __init__(self, model, kv, batch: int, width: int, pool, num_layers: int | None):
         dev = kv.k.device
-        self.ids = torch.zeros((batch, width), dtype=torch.int64, device=dev)
-        self.slots = torch.full((batch,), kv.num_slots, dtype=torch.int64, device=dev)  # scratch slot
-        self.lens = torch.zeros((batch,), dtype=torch.int64, device=dev)
+        # ids, slots and lens in one buffer: a step's inputs are one copy from pinned memory
+        n = batch * width
+        self.host = torch.zeros((n + 2 * batch,), dtype=torch.int64, pin_memory=True)
+        self.copied = torch.cuda.Event()  # the last copy out of `host` is done
+        self.inputs = torch.zeros((n + 2 * batch,), dtype=torch.int64, device=dev)
+        self.ids = self.inputs[:n].view(batch, width)
+        self.slots, self.lens = self.inputs[n:n + batch], self.inputs[n + batch:]
+        self.slots.fill_(kv.num_slots)  # scratch slot
         self.graph = torch.cuda.CUDAGraph()
         run = lambda: model(self.ids, *self._ctx(kv, width), num_layers)  # noqa: E731
         stream = torch.cuda.Stream()
@@ -69,13 +74,16 @@ class GraphRunner:
         if g is None:
             log.info("capturing CUDA graph for batch %d x width %d (layers %s)", bucket, width, num_layers or "all")
             g = self.graphs[key] = _Graph(self.model, self.kv, bucket, width, self.pool, num_layers)
-        ids = torch.zeros((bucket, width), dtype=torch.int64)
+        g.copied.synchronize()
+        host = g.host.numpy()
+        n = bucket * width
+        host[:] = 0
+        host[n:n + bucket] = self.kv.num_slots  # padding rows: the scratch slot
         for i, t in enumerate(tokens):
-            ids[i, : len(t)] = torch.tensor(t)
-        g.ids.copy_(ids, non_blocking=True)
-        g.slots.fill_(self.kv.num_slots)
-        g.slots[:b].copy_(torch.tensor(slots), non_blocking=True)
-        g.lens.zero_()
-        g.lens[:b].copy_(torch.tensor(cache_lens), non_blocking=True)
+            host[i * width: i * width + len(t)] = t
+        host[n:n + b] = slots
+        host[n + bucket:n + bucket + b] = cache_lens
+        g.inputs.copy_(g.host, non_blocking=True)
+        g.copied.record()
         g.graph.replay()
         return g.out[:b], g.hidden[:b]

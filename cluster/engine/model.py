@@ -90,10 +90,10 @@ def compile_kernels() -> None:
     layers; projections over at most 16 token rows (decode, verify) by the Triton GEMV."""
     for name in ("rope", "rms_norm", "silu_mul"):
         KERNELS[name] = torch.compile(KERNELS[name], dynamic=True)
-    from cluster.engine.gemv import MAX_ROWS, fused_linear
+    from cluster.engine.gemv import MAX_ROWS, fused_linear, supported
 
     def gpu_linear(x, w, bias=None, norm=None, eps=0.0, silu=False, residual=None):
-        if x.numel() // x.shape[-1] <= MAX_ROWS and x.is_cuda:
+        if x.numel() // x.shape[-1] <= MAX_ROWS and x.is_cuda and supported(w.shape[1]):
             return fused_linear(x, w, bias, norm, eps, silu, residual)
         return linear(x, w, bias, norm, eps, silu, residual)
 

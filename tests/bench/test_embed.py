@@ -15,7 +15,7 @@ from cluster.engine.scheduler import EngineConfig
 from cluster.engine.sequence import SpecParams
 
 # a small stand-in for the 8B shape: wider, deeper, more heads, wider heads, more vocabulary
-BIG = dict(vocab_size=5000, hidden_size=512, num_hidden_layers=9, num_attention_heads=16,
+BIG = dict(vocab_size=5000, hidden_size=512, num_hidden_layers=9, num_attention_heads=32,
            num_key_value_heads=8, head_dim=64, intermediate_size=1024, max_position_embeddings=2048)
 PROMPT = [5, 17, 300, 42, 99, 1000, 7, 7, 8, 2048, 3]
 
