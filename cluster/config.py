@@ -16,11 +16,13 @@ from cluster.engine.scheduler import EngineConfig
 from cluster.policy.config import SpeculationPolicyConfig, describe_error, load_policy
 
 DEMO_DIR = Path(__file__).parent / "models" / "demo"
-ALIASES = {"demo-target": DEMO_DIR / "target", "demo-draft": DEMO_DIR / "draft"}
+ALIASES = {"demo-target": DEMO_DIR / "target", "demo-draft": DEMO_DIR / "draft",
+           # the demo pair embedded in Llama-3.1-8B dimensions (cluster/bench/embed.py): 8B cost, demo acceptance
+           "demo-8b-target": DEMO_DIR.parent / "demo-8b" / "target", "demo-8b-draft": DEMO_DIR.parent / "demo-8b" / "draft"}
 
 
 def resolve_model_path(name: str) -> str:
-    """'demo-target' / 'demo-draft' name the bundled pair; anything else is a directory."""
+    """'demo-target' / 'demo-draft' (and 'demo-8b-*') name the bundled pair; anything else is a directory."""
     return str(ALIASES.get(name, Path(name)))
 
 

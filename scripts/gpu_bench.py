@@ -93,6 +93,8 @@ def main() -> int:
     R["backend"], R["compiled_kernels"] = engine.backend, cfg.compile
     prompts = code_prompts(64, seed=11)
     one = prompts[:1]
+    if os.environ.get("SWEEP_ONLY") == "1":
+        return sweep_only(engine, prompts, R)
     decode_rate(engine, one, SpecParams("off"), new=16)  # capture graphs, tune kernels
     plain = decode_rate(engine, one, SpecParams("off"))
     R["plain_batch1"] = {**drop_ids(plain), "fraction_of_ceiling": plain["tokens_per_s"] / ceiling}
@@ -145,7 +147,13 @@ def main() -> int:
     log("attention 8k b64:", R["verify_attention_8k_b64"])
     del kc, vc
 
-    sweep = []
+    return sweep_only(engine, prompts, R)
+
+
+def sweep_only(engine, prompts, R) -> int:
+    # One controller for the whole ramp, as in a server whose load rises: what it learnt at
+    # low concurrency (acceptance, cost per token) carries over; each level warms it up.
+    sweep, controller = [], make_controller(SpeculationPolicyConfig(mode="goodput"))
     for c in (1, 4, 16, 64):
         if time.time() - T0 > 480:
             log("time budget reached; sweep stops at", c)
@@ -153,8 +161,8 @@ def main() -> int:
         ps = prompts[:c]
         decode_rate(engine, ps, SpecParams("off"), new=16)  # warm-up: this level's graphs
         off = decode_rate(engine, ps, SpecParams("off"), new=128)
-        engine.controller = make_controller(SpeculationPolicyConfig(mode="goodput"))
-        decode_rate(engine, ps, SpecParams("auto"), new=64)  # let the controller measure
+        engine.controller = controller
+        decode_rate(engine, ps, SpecParams("auto"), new=128)  # let the controller measure
         auto = decode_rate(engine, ps, SpecParams("auto"), new=128)
         gamma = engine.controller.snapshot().get("gamma")
         engine.controller = None
@@ -164,7 +172,8 @@ def main() -> int:
                       "ratio": auto["tokens_per_s"] / off["tokens_per_s"]})
         log("sweep:", sweep[-1])
     R["concurrency_sweep"] = sweep
-    with open(os.path.join(OUT, "gpu_bench.json"), "w") as f:
+    name = "gpu_bench_sweep.json" if os.environ.get("SWEEP_ONLY") == "1" else "gpu_bench.json"
+    with open(os.path.join(OUT, name), "w") as f:
         json.dump(R, f, indent=2)
     log("done")
     return 0

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# On a GPU machine: the serve benchmark end to end through Ray Serve + gRPC (demo pair),
-# colocated vs disaggregated drafting; with 2 GPUs the drafter gets its own GPU.
+# On a GPU machine: the serve benchmark end to end through Ray Serve + gRPC, colocated vs
+# disaggregated drafting; with 2 GPUs the drafter gets its own GPU.
+#   bash scripts/gpu_serve.sh            # demo pair embedded in Llama-3.1-8B dimensions, bf16, FA3
+#   TARGET=demo-target DRAFT=demo-draft DTYPE=float32 bash scripts/gpu_serve.sh   # the small pair
 set -eo pipefail
 bash .device-bundle/unpack.sh || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export TRITON_CACHE_AUTOTUNING=1  # replicas reuse the first process's GEMV tuning
 nvidia-smi --query-gpu=name --format=csv
 n=$(nvidia-smi -L | wc -l)
-python3 -m cluster.bench.serve_bench --out "${OUT:-.}" --gpus "$n" --repeats 2 --new-tokens 128 2>&1 | grep -v "INFO\|WARN" | tee "${OUT:-.}/serve_bench.log"
+python3 -m cluster.bench.serve_bench --out "${OUT:-.}" --gpus "$n" --repeats 2 --new-tokens 128 \
+  --target "${TARGET:-demo-8b-target}" --draft "${DRAFT:-demo-8b-draft}" --dtype "${DTYPE:-bfloat16}" \
+  $([ "${DTYPE:-bfloat16}" = bfloat16 ] && echo --compile) 2>&1 | grep -v "INFO\|WARN" | tee "${OUT:-.}/serve_bench.log"

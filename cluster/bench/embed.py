@@ -135,6 +135,31 @@ LLAMA_8B_DRAFT = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=
                       head_dim=64, intermediate_size=384)
 
 
+SHAPES = {"llama-3.1-8b": lambda: _llama_8b(), "llama-3.1-8b-draft": lambda: {**_llama_8b(), **LLAMA_8B_DRAFT}}
+
+
+def _llama_8b() -> dict:
+    from cluster.bench.synthetic import LLAMA_8B as shape
+
+    return dict(shape)
+
+
+def load_embedded(path, dtype, device) -> CausalLM:
+    """A model directory holding embed.json: {"source": small model dir (relative to it),
+    "shape": a name in SHAPES or LlamaConfig fields, "seed": for the padding's random values}."""
+    import json
+    from pathlib import Path
+
+    from cluster.engine.model import load_model
+
+    path = Path(path)
+    spec = json.loads((path / "embed.json").read_text())
+    shape = spec["shape"]
+    big = SHAPES[shape]() if isinstance(shape, str) else shape
+    small = load_model((path / spec["source"]).resolve(), torch.float32, "cpu")
+    return embed_llama(small, big, device, dtype, spec.get("seed", 0))
+
+
 def demo_8b(target_dir, draft_dir, device="cuda", dtype=torch.bfloat16) -> tuple[CausalLM, CausalLM]:
     """The demo target in Llama-3.1-8B dimensions, and the demo drafter widened to the same
     vocabulary (and to a head dim FA3 runs: 64)."""

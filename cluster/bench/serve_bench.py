@@ -48,7 +48,7 @@ def local(prompts, args) -> dict:
     import torch
 
     torch.set_num_threads(1)  # as in a Serve replica with one CPU (Ray sets OMP_NUM_THREADS=1)
-    engine = build_engine(parse_config({"models": {"device": args.device}}))
+    engine = build_engine(parse_config(_base(args)))
     out = {"device": str(engine.runner.device), "backend": engine.backend}
     for name, spec in (("off", SpecParams("off")), ("spec", SpecParams("fixed", args.gamma))):
         def gen(p, spec=spec):  # noqa: B023
@@ -61,6 +61,11 @@ def local(prompts, args) -> dict:
         list(gen(prompts[0]))
         out[name] = _measure(gen, prompts, args.repeats)
     return out
+
+
+def _base(args) -> dict:
+    return {"models": {"device": args.device, "target": args.target, "draft": args.draft, "dtype": args.dtype},
+            "engine": {"max_num_seqs": 8, "compile": args.compile}}
 
 
 def _resources(args) -> dict:
@@ -81,7 +86,7 @@ def through_grpc(prompts, args, placement: str, port: int) -> dict:
     name = f"bench-{placement}"
     run_app(parse_config({"placement": placement, "network": {"grpc_port": port, "app_name": name,
                                                                "route_prefix": f"/{name}"},
-                          "models": {"device": args.device}, **_resources(args)}))
+                          **_base(args), **_resources(args)}))
     out = {}
     with Client(f"localhost:{port}", application=name) as c:
         for mode, spec in (("off", "off"), ("spec", args.gamma)):
@@ -104,6 +109,10 @@ def main(argv=None) -> int:
     ap.add_argument("--port", type=int, default=9310)
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda (models.device)")
     ap.add_argument("--gpus", type=int, default=0, help="GPUs for Ray (2: verifier and drafter on different GPUs)")
+    ap.add_argument("--target", default="demo-target", help="target model (demo-8b-target: the 8B-shaped pair)")
+    ap.add_argument("--draft", default="demo-draft")
+    ap.add_argument("--dtype", default="float32", help="bfloat16 on Hopper (FA3)")
+    ap.add_argument("--compile", action="store_true", help="engine.compile: the GPU fast path (Triton GEMV)")
     args = ap.parse_args(argv)
     import ray
 
@@ -114,6 +123,13 @@ def main(argv=None) -> int:
     bar = tqdm(total=3, desc="serve bench")
     results["local"] = local(prompts, args)
     bar.update()
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the replicas below need the GPU memory the local engine held
     ray.init(num_cpus=4, num_gpus=args.gpus or None, include_dashboard=False, log_to_driver=False)
     start_serve(parse_config({"network": {"grpc_port": args.port, "http_port": args.port + 1}}), "HeadOnly")
     for placement in ("colocated", "disaggregated"):
@@ -125,7 +141,8 @@ def main(argv=None) -> int:
         / results["colocated"]["spec"]["tokens_per_s"],
         "ttft_overhead_ms": results["colocated"]["off"]["ttft_ms_p50"] - results["local"]["off"]["ttft_ms_p50"],
     }
-    path = write_json(args.out, "serve_bench", {"new_tokens": args.new_tokens, "gamma": args.gamma,
+    path = write_json(args.out, "serve_bench", {"target": args.target, "draft": args.draft,
+                                                "new_tokens": args.new_tokens, "gamma": args.gamma,
                                                 "results": results, "summary": summary})
     plt = figure()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -136,7 +153,8 @@ def main(argv=None) -> int:
     ax.bar([i + 0.2 for i in x], [results[k]["spec"]["tokens_per_s"] for k in keys], 0.4,
            label=f"draft model, gamma {args.gamma}")
     ax.set_xticks(list(x), labels)
-    ax.set(ylabel="tokens/s (single stream, greedy)", title="Demo pair on CPU: through Ray Serve + gRPC")
+    ax.set(ylabel="tokens/s (single stream, greedy)",
+           title=f"{args.target} on {results['local']['device']}: through Ray Serve + gRPC")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=120)

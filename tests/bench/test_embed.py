@@ -54,3 +54,14 @@ def test_embedded_pair_decodes_like_the_demo_pair(demo_pair):
     (small_ids, small_acc), (big_ids, big_acc) = runs
     assert big_ids == small_ids
     assert abs(big_acc - small_acc) < 0.05 and big_acc > 0.3  # the trained pair's acceptance survives
+
+
+def test_embed_json_directory_loads_through_load_model(demo_pair, tmp_path):
+    """A directory with embed.json is a model for load_model (so for the serving path)."""
+    import json
+
+    (tmp_path / "embed.json").write_text(json.dumps({"source": str(demo_pair[0]), "shape": BIG}))
+    small = load_model(demo_pair[0], torch.float32, "cpu")
+    big = load_model(tmp_path, torch.float32, "cpu")
+    assert big.shape.hidden == 512
+    assert torch.allclose(_logits(small, PROMPT), _logits(big, PROMPT)[:, :4096], atol=1e-4)
