@@ -4,8 +4,11 @@
 #   bash scripts/gpu_serve.sh            # demo pair embedded in Llama-3.1-8B dimensions, bf16, FA3
 #   TARGET=demo-target DRAFT=demo-draft DTYPE=float32 bash scripts/gpu_serve.sh   # the small pair
 set -eo pipefail
+# The bundle lacks grpcio-health-checking (Serve's gRPC proxy needs it): carry a copy in
+# .device-extra/ (git-ignored): cp -r $(python3 -c 'import grpc_health,os;print(os.path.dirname(grpc_health.__file__))') .device-extra/
+# and lower GRPC_GENERATED_VERSION in its health_pb2_grpc.py to the device's grpcio.
 bash .device-bundle/unpack.sh || exit 1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD:$PWD/.device-extra PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export TRITON_CACHE_AUTOTUNING=1  # replicas reuse the first process's GEMV tuning
 nvidia-smi --query-gpu=name --format=csv
 n=$(nvidia-smi -L | wc -l)
