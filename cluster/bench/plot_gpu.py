@@ -1,6 +1,6 @@
 """Plot a gpu_bench.json (scripts/gpu_bench.py) as a PNG beside it.
 
-    python -m cluster.bench.plot_gpu benchmarks/gpu/gpu_bench.json
+    python -m cluster.bench.plot_gpu benchmarks/gpu/gpu_bench.json [gpu_bench_sweep.json]
 """
 
 from __future__ import annotations
@@ -21,16 +21,23 @@ def main(argv=None) -> int:
     a.bar(["ceiling\n(bytes/bandwidth)", "plain decode\n(graphs, FA3)"], [r["ceiling_tokens_per_s"], plain],
           color=["gray", "tab:blue"])
     a.set(ylabel="tokens/s, batch 1", title=f"8B-shaped Llama, {r['device']}\n{plain / r['ceiling_tokens_per_s']:.0%} of ceiling")
-    sd = r["self_draft"]
+    if "speculation_batch1" in r:  # draft model on the demo pair embedded in the 8B shape
+        sd, title = r["speculation_batch1"], "draft model (demo pair in 8B dimensions)"
+        ideal = {n: v["ideal_speedup"] * plain for n, v in sd.items()}
+    else:  # older runs: early-exit self-drafting on random weights
+        sd, title = r["self_draft"], "early-exit self-drafting (random weights)"
+        ideal = {n: v["ideal_tokens_per_s"] for n, v in sd.items()}
     names = list(sd)
     x = range(len(names))
     b.bar([i - 0.2 for i in x], [sd[n]["tokens_per_s"] for n in names], 0.4, label="measured")
-    b.bar([i + 0.2 for i in x], [sd[n]["ideal_tokens_per_s"] for n in names], 0.4, label="ideal from measured parts")
+    b.bar([i + 0.2 for i in x], [ideal[n] for n in names], 0.4, label="ideal E[N] t/(t + g t_draft)")
     b.axhline(plain, color="gray", ls="--", label="plain decoding")
     b.set_xticks(list(x), [f"{n}\nacc {sd[n]['acceptance_rate']:.2f}" for n in names], fontsize=8)
-    b.set(ylabel="tokens/s", title="early-exit self-drafting (random weights)")
+    b.set(ylabel="tokens/s, batch 1", title=title)
     b.legend(fontsize=8)
     sw = r["concurrency_sweep"]
+    if len(argv or sys.argv[1:]) > 1:  # a separate sweep run (gpu_bench_sweep.json)
+        sw = json.loads(Path((argv or sys.argv[1:])[1]).read_text())["concurrency_sweep"]
     c.plot([s["concurrency"] for s in sw], [s["off_tokens_per_s"] for s in sw], "o-", label="speculation off")
     c.plot([s["concurrency"] for s in sw], [s["goodput_tokens_per_s"] for s in sw], "s--", label="goodput controller")
     c.set(xscale="log", xlabel="concurrent streams", ylabel="tokens/s", title="concurrency sweep")
