@@ -96,9 +96,17 @@ def main() -> int:
     if os.environ.get("SWEEP_ONLY") == "1":
         return sweep_only(engine, prompts, R)
     decode_rate(engine, one, SpecParams("off"), new=16)  # capture graphs, tune kernels
+    hits = engine.pipeline.hits if engine.pipeline else 0
     plain = decode_rate(engine, one, SpecParams("off"))
-    R["plain_batch1"] = {**drop_ids(plain), "fraction_of_ceiling": plain["tokens_per_s"] / ceiling}
+    R["plain_batch1"] = {**drop_ids(plain), "fraction_of_ceiling": plain["tokens_per_s"] / ceiling,
+                         "steps_launched_ahead": (engine.pipeline.hits - hits) if engine.pipeline else 0}
     log("plain batch 1:", R["plain_batch1"])
+    pipeline, engine.pipeline = engine.pipeline, None  # the same, each step launched after the last
+    serial = decode_rate(engine, one, SpecParams("off"))
+    engine.pipeline = pipeline
+    R["plain_batch1_not_pipelined"] = {**drop_ids(serial), "fraction_of_ceiling": serial["tokens_per_s"] / ceiling,
+                                       "same_tokens": serial["token_ids"] == plain["token_ids"]}
+    log("plain batch 1, not pipelined:", R["plain_batch1_not_pipelined"])
 
     run = engine.runner
     slot = engine.kv.allocate()

@@ -1,6 +1,7 @@
 """Single-stream speed through the real path (gRPC -> Serve proxy -> Router -> Verifier
-[-> Drafter]) for no speculation, colocated and disaggregated drafting, beside the local
-engine; and the gRPC + Serve overhead on time to first token.
+[-> Drafter]) for no speculation, colocated and disaggregated drafting (the draft call
+direct to the drafter replica, and through Serve's request path), beside the local engine;
+and the gRPC + Serve overhead on time to first token.
 
     python -m cluster.bench.serve_bench --out benchmarks/serve_cpu
 """
@@ -63,6 +64,12 @@ def local(prompts, args) -> dict:
     return out
 
 
+def _step_split(before: dict, after: dict) -> dict:
+    """Mean milliseconds per verify step spent waiting for drafts and in the verify pass."""
+    steps = max(1, after["verify_steps"] - before["verify_steps"])
+    return {f"{k}_ms_per_step": 1e3 * (after[f"{k}_s"] - before[f"{k}_s"]) / steps for k in ("draft", "verify")}
+
+
 def _base(args) -> dict:
     return {"models": {"device": args.device, "target": args.target, "draft": args.draft, "dtype": args.dtype},
             "engine": {"max_num_seqs": 8, "compile": args.compile}}
@@ -77,24 +84,34 @@ def _resources(args) -> dict:
             "drafter": {"ray_actor_options": {"num_gpus": share}}}
 
 
-def through_grpc(prompts, args, placement: str, port: int) -> dict:
+MODES = {"colocated": ("colocated", "direct"), "disaggregated": ("disaggregated", "direct"),
+         "disaggregated_handle": ("disaggregated", "handle")}
+LABELS = {"local": "local engine", "colocated": "gRPC colocated", "disaggregated": "gRPC disaggregated\n(direct draft call)",
+          "disaggregated_handle": "gRPC disaggregated\n(draft call via Serve handle)"}
+
+
+def through_grpc(prompts, args, mode: str, port: int) -> dict:
     from ray import serve
 
     from cluster.client import Client
     from cluster.serve.launch import run_app
 
-    name = f"bench-{placement}"
+    placement, transport = MODES[mode]
+    name = f"bench-{mode.replace('_', '-')}"
     run_app(parse_config({"placement": placement, "network": {"grpc_port": port, "app_name": name,
                                                                "route_prefix": f"/{name}"},
-                          **_base(args), **_resources(args)}))
+                          "router": {"drafter_transport": transport}, **_base(args), **_resources(args)}))
     out = {}
+    verifier = serve.get_deployment_handle("Verifier", app_name=name)
     with Client(f"localhost:{port}", application=name) as c:
         for mode, spec in (("off", "off"), ("spec", args.gamma)):
             def gen(p, spec=spec):
                 for ch in c.generate_stream(p, max_tokens=args.new_tokens, speculation=spec):
                     yield list(ch.token_ids), (ch.spec.acceptance_rate if ch.final else None)
             list(gen(prompts[0]))  # warm-up (drafter state, compile caches)
+            before = verifier.stats.remote().result()
             out[mode] = _measure(gen, prompts, args.repeats)
+            out[mode].update(_step_split(before, verifier.stats.remote().result()))
     serve.delete(name)
     return out
 
@@ -113,16 +130,19 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", default="demo-draft")
     ap.add_argument("--dtype", default="float32", help="bfloat16 on Hopper (FA3)")
     ap.add_argument("--compile", action="store_true", help="engine.compile: the GPU fast path (Triton GEMV)")
+    ap.add_argument("--modes", default="local,colocated,disaggregated,disaggregated_handle")
     args = ap.parse_args(argv)
+    modes = args.modes.split(",")
     import ray
 
     from cluster.serve.launch import shutdown, start_serve
 
     prompts = code_prompts(args.prompts, seed=1)
-    results = {}
-    bar = tqdm(total=3, desc="serve bench")
-    results["local"] = local(prompts, args)
-    bar.update()
+    results: dict = {}
+    bar = tqdm(total=len(modes), desc="serve bench")
+    if "local" in modes:
+        results["local"] = local(prompts, args)
+        bar.update()
     import gc
 
     import torch
@@ -132,35 +152,41 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()  # the replicas below need the GPU memory the local engine held
     ray.init(num_cpus=4, num_gpus=args.gpus or None, include_dashboard=False, log_to_driver=False)
     start_serve(parse_config({"network": {"grpc_port": args.port, "http_port": args.port + 1}}), "HeadOnly")
-    for placement in ("colocated", "disaggregated"):
-        results[placement] = through_grpc(prompts, args, placement, args.port)
+    for mode in (m for m in modes if m in MODES):
+        results[mode] = through_grpc(prompts, args, mode, args.port)
+        path, summary = _write(args, results)  # after each mode: a run cut short keeps what it measured
         bar.update()
     shutdown()
-    summary = {
-        "disaggregated_over_colocated": results["disaggregated"]["spec"]["tokens_per_s"]
-        / results["colocated"]["spec"]["tokens_per_s"],
-        "ttft_overhead_ms": results["colocated"]["off"]["ttft_ms_p50"] - results["local"]["off"]["ttft_ms_p50"],
-    }
-    path = write_json(args.out, "serve_bench", {"target": args.target, "draft": args.draft,
-                                                "new_tokens": args.new_tokens, "gamma": args.gamma,
-                                                "results": results, "summary": summary})
     plt = figure()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    labels = ["local engine", "gRPC colocated", "gRPC disaggregated"]
-    keys = ["local", "colocated", "disaggregated"]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    keys = list(results)
     x = range(len(keys))
     ax.bar([i - 0.2 for i in x], [results[k]["off"]["tokens_per_s"] for k in keys], 0.4, label="speculation off")
     ax.bar([i + 0.2 for i in x], [results[k]["spec"]["tokens_per_s"] for k in keys], 0.4,
            label=f"draft model, gamma {args.gamma}")
-    ax.set_xticks(list(x), labels)
+    ax.set_xticks(list(x), [LABELS[k] for k in keys], fontsize=8)
     ax.set(ylabel="tokens/s (single stream, greedy)",
-           title=f"{args.target} on {results['local']['device']}: through Ray Serve + gRPC")
+           title=f"{args.target} on {results.get('local', {}).get('device', 'the GPU')}: through Ray Serve + gRPC")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=120)
     print(summary)
     print(f"wrote {path}")
     return 0
+
+
+def _write(args, results: dict):
+    spec = {k: v["spec"]["tokens_per_s"] for k, v in results.items()}
+    summary = {}
+    if "colocated" in spec:
+        for k in ("disaggregated", "disaggregated_handle"):
+            if k in spec:
+                summary[f"{k}_over_colocated"] = spec[k] / spec["colocated"]
+        if "local" in results:
+            summary["ttft_overhead_ms"] = results["colocated"]["off"]["ttft_ms_p50"] - results["local"]["off"]["ttft_ms_p50"]
+    path = write_json(args.out, "serve_bench", {"target": args.target, "draft": args.draft, "new_tokens": args.new_tokens,
+                                                "gamma": args.gamma, "results": results, "summary": summary})
+    return path, summary
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from cluster.engine.drafting import DraftPlanner
 from cluster.engine.hashing import model_seed
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.model import CausalLM, compile_kernels, load_model
+from cluster.engine.pipeline import DecodePipeline
 from cluster.engine.runner import Runner
 from cluster.engine.sampling import InvalidRequest, SamplingParams, rejection_sample, target_probs
 from cluster.engine.scheduler import EngineConfig, Scheduler
@@ -59,6 +60,7 @@ class Engine:
         graph_width = cfg.gamma_max + 1 if cfg.cuda_graphs and p.device.type == "cuda" else 0
         self.runner = Runner(model, self.kv, cfg.attention, graph_width)
         self.backend = model.backend.name
+        self.pipeline = DecodePipeline(self.runner.graphs) if self.runner.graphs is not None else None
         self.scheduler = Scheduler(cfg, self.kv)
         self.drafters = drafters or {}
         self.default_drafter = default_drafter
@@ -69,7 +71,9 @@ class Engine:
         self.cluster_inflight = 0  # requests in flight cluster-wide, set by the serving layer
         self.on_verify: Callable[[object], None] | None = None  # StepObservation hook (metrics, autoscaling)
         self._ids = itertools.count()
-        self.totals = {"steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0}
+        # draft_s / verify_s: seconds waiting for drafts / in verify passes (incl. acceptance)
+        self.totals = {"steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0,
+                       "draft_s": 0.0, "verify_s": 0.0}
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str | None = "model",
@@ -163,8 +167,7 @@ class Engine:
             g = {"off": 0, "fixed": s.spec.gamma}.get(s.spec.mode, auto)
             if (s.drafter or self.default_drafter) is None:
                 g = 0
-            left = min(s.params.max_tokens - len(s.output_ids), self.max_model_len - len(s.token_ids))
-            out[s.seq_id] = max(0, min(g, self.cfg.gamma_max, left - 1))
+            out[s.seq_id] = max(0, min(g, self.cfg.gamma_max, self._left(s) - 1))
         return out
 
     def _verify(self) -> list[Sequence]:
@@ -176,22 +179,39 @@ class Engine:
         drafts = self.planner.draft(rows)
         t1 = time.perf_counter()
         feeds = [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts.tokens)]
-        logits, hidden = self.runner.forward([s.slot for s in seqs], [s.num_cached for s in seqs], feeds,
-                                             last_only=False, trees=drafts.parents, hidden=True)
-        if drafts.parents is None:  # chains only; ends: feed index of each row's last accepted token
-            out = self._sample(seqs, logits, drafts)
-            ends = [len(o) - 1 for o in out]
-        else:  # some rows drafted trees (Medusa)
-            out, ends = verify_tree(self, seqs, logits, drafts)
+        if self._pipelined(seqs, drafts):
+            out = self.pipeline.step(seqs, launch_next=all(self._left(s) > 1 for s in seqs))
+            accepted = self._accept(seqs, out, [0] * len(seqs))
+        else:
+            if self.pipeline is not None:
+                self.pipeline.ahead = None
+            logits, hidden = self.runner.forward([s.slot for s in seqs], [s.num_cached for s in seqs], feeds,
+                                                 last_only=False, trees=drafts.parents, hidden=True)
+            if drafts.parents is None:  # chains only; ends: feed index of each row's last accepted token
+                out = self._sample(seqs, logits, drafts)
+                ends = [len(o) - 1 for o in out]
+            else:  # some rows drafted trees (Medusa)
+                out, ends = verify_tree(self, seqs, logits, drafts)
+            accepted = self._keep_hidden(self._accept(seqs, out, [len(d) for d in drafts.tokens]), hidden, ends)
         t2 = time.perf_counter()
+        self.totals["draft_s"] += t1 - t0
+        self.totals["verify_s"] += t2 - t1
         num_draft = [len(d) for d in drafts.tokens]
-        accepted = self._keep_hidden(self._accept(seqs, out, num_draft), hidden, ends)
         obs = observation(len(seqs), sum(map(len, feeds)), t2 - t1, t1 - t0, num_draft, [len(o) - 1 for o in out])
         if self.controller:
             self.controller.observe(obs)
         if self.on_verify:
             self.on_verify(obs)
         return accepted
+
+    def _pipelined(self, seqs: list[Sequence], drafts: DraftOutput) -> bool:
+        """Greedy plain decoding on CUDA graphs runs a step ahead (cluster.engine.pipeline);
+        not where a drafter reads the target's hidden states, which that path skips."""
+        return (self.pipeline is not None and not any(drafts.tokens) and self.pipeline.eligible(seqs)
+                and not any(d.needs_hidden for d in self.drafters.values()))
+
+    def _left(self, seq: Sequence) -> int:
+        return min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - len(seq.token_ids))
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, drafts: DraftOutput) -> list[list[int]]:
         """logits [B, T, V] at each row's fed positions -> accepted drafts + one new token per row."""

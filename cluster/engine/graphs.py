@@ -58,6 +58,8 @@ class GraphRunner:
         self.model, self.kv, self.max_width = model, kv, max_width
         self.graphs: dict[tuple[int, int, int | None], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.max_batch, self.device = BUCKETS[-1], kv.k.device
+        self.last: tuple[_Graph, int] | None = None  # the graph replayed last and its live rows
 
     def eligible(self, batch: int, width: int) -> bool:
         return width <= self.max_width and batch <= BUCKETS[-1]
@@ -86,4 +88,16 @@ class GraphRunner:
         g.inputs.copy_(g.host, non_blocking=True)
         g.copied.record()
         g.graph.replay()
+        self.last = (g, b) if width == 1 and num_layers is None else None
         return g.out[:b], g.hidden[:b]
+
+    @torch.inference_mode()
+    def replay_next(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The decode step after the last one (full model, one token per row), fed `tokens`
+        ([B] on the device) with no host round trip: each row's length grows by one.
+        Returns its [B, 1, V] logits (a static buffer, as forward's)."""
+        g, b = self.last
+        g.ids[:b, 0].copy_(tokens)
+        g.lens[:b].add_(1)
+        g.graph.replay()
+        return g.out[:b]

@@ -87,7 +87,10 @@ KERNELS = {"rope": rope, "rms_norm": rms_norm, "silu_mul": silu_mul, "linear": l
 def compile_kernels() -> None:
     """GPU fast path. Elementwise pieces fused by torch.compile (a decode step is otherwise
     dozens of tiny kernels per layer), compiled once per shape family and shared by all
-    layers; projections over at most 16 token rows (decode, verify) by the Triton GEMV."""
+    layers; projections over at most 16 token rows (decode, verify) by the Triton GEMV.
+    Process-wide and idempotent: the target and a drafter in one process share it."""
+    if KERNELS["linear"] is not linear:
+        return
     for name in ("rope", "rms_norm", "silu_mul"):
         KERNELS[name] = torch.compile(KERNELS[name], dynamic=True)
     from cluster.engine.gemv import MAX_ROWS, fused_linear, supported

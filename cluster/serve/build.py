@@ -6,12 +6,14 @@ from cluster.config import ClusterConfig, resolve_model_path
 from cluster.engine.drafter import Drafter, ModelDrafter, NgramDrafter
 from cluster.engine.engine import DTYPES, Engine
 from cluster.engine.medusa import HEADS_FILE, MedusaDrafter, has_heads
-from cluster.engine.model import load_model
+from cluster.engine.model import compile_kernels, load_model
 
 
 def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
     ec = cfg.engine_config()
     model = load_model(resolve_model_path(cfg.models.draft), DTYPES[ec.dtype], ec.device)
+    if ec.compile and next(model.parameters()).is_cuda:  # as the target's engine does (colocated)
+        compile_kernels()
     return ModelDrafter(model, num_slots=2 * ec.max_num_seqs, max_len=ec.max_model_len, gamma_max=ec.gamma_max)
 
 

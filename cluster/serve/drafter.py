@@ -4,6 +4,10 @@ One `propose` call per verifier step carries every sequence of the batch. Finish
 sequences ride along in the next call (or an idle flush) as `release`, so there is never a
 per-token or per-request hop. Any drafter replica can serve any call: the request carries
 the tokens, and a replica without state for a sequence rebuilds it.
+
+The call goes straight to one replica's gRPC port (cluster.serve.draft_rpc), found through
+the Serve handle and looked up again after a failure and every `REFRESH_S`, so new replicas
+get callers; `router.drafter_transport: handle` sends it through Serve's request path instead.
 """
 
 from __future__ import annotations
@@ -28,9 +32,14 @@ class DrafterDeployment:
         from cluster.config import ClusterConfig
         from cluster.serve.build import build_model_drafter
 
+        import ray
+
+        from cluster.serve.draft_rpc import serve_drafting
+
         cfg = ClusterConfig.model_validate(config)
         self.drafter = build_model_drafter(cfg)
         self.lock = threading.Lock()
+        self.server, self.address = serve_drafting(self.propose, ray.util.get_node_ip_address())
         self.demand = DraftDemandMeter()
         # a verifier that dies never releases its sequences: they expire instead
         self.ttl_s = cfg.router.drafter_state_ttl_s
@@ -47,6 +56,14 @@ class DrafterDeployment:
     def release(self, seq_ids: list[str]) -> None:
         with self.lock:
             self._forget(seq_ids)
+
+    def endpoint(self) -> str:
+        """Where this replica takes direct draft calls ("host:port")."""
+        return self.address
+
+    def __del__(self):
+        if getattr(self, "server", None) is not None:
+            self.server.stop(grace=1.0)
 
     def info(self) -> dict:
         """Sequences with draft state here, and where this replica runs."""
@@ -96,19 +113,24 @@ def _no_drafts(n: int) -> Future:
 
 
 class RemoteDrafter(Drafter):
-    """Drafter interface over a Serve handle; failures surface as exceptions the engine
+    """Drafter interface over a drafter replica; failures surface as exceptions the engine
     treats as 'no drafts this step'.
 
     After a failure the drafter is skipped (empty drafts, no call) for a back-off that
     doubles up to `MAX_BACKOFF_S`: a dead replica would otherwise cost every step the full
-    timeout until Serve replaces it. The first call after the back-off is the probe."""
+    timeout until Serve replaces it. The first call after the back-off is the probe, and
+    with the direct transport it looks the replica up again first."""
 
     name = "model"
     remote = True  # the engine asks for the next step's drafts while this step verifies
     MIN_BACKOFF_S, MAX_BACKOFF_S = 0.5, 5.0
+    REFRESH_S = 30.0  # look the replica up again: callers spread onto replicas added since
 
-    def __init__(self, handle, timeout_s: float, caller: str):
+    def __init__(self, handle, timeout_s: float, caller: str, transport: str = "direct"):
         self.handle, self.timeout_s, self.caller = handle, timeout_s, caller
+        self.direct = transport == "direct"
+        self.client = None  # DraftingClient to one replica (direct transport)
+        self.refresh_at = 0.0
         self.pending_release: list[str] = []
         self.skip_until, self.backoff_s = 0.0, 0.0
 
@@ -116,7 +138,38 @@ class RemoteDrafter(Drafter):
         if time.monotonic() < self.skip_until:
             return _no_drafts(len(requests))
         release, self.pending_release = self.pending_release, []
-        return _Pending(self, self.handle.propose.remote(requests, release, self.caller), release)
+        try:
+            response = self._send(requests, release)
+        except Exception as e:  # no replica to be found: fail this call like a failed reply
+            fut: Future = Future()
+            fut.set_exception(e)
+            self._failed(release)
+            return fut
+        return _Pending(self, response, release)
+
+    def _send(self, requests: list[DraftRequest], release: list[str]):
+        if not self.direct:
+            return self.handle.propose.remote(requests, release, self.caller)
+        return self._client().propose(requests, release, self.caller, self.timeout_s)
+
+    def _client(self):
+        from cluster.serve.draft_rpc import DraftingClient
+
+        now = time.monotonic()
+        if self.client is None or now >= self.refresh_at:
+            self.refresh_at = now + self.REFRESH_S
+            try:
+                address = self.handle.endpoint.remote().result(timeout_s=self.timeout_s)
+            except Exception:
+                if self.client is None:
+                    raise
+                return self.client  # a refresh is advice; the replica in hand still answers
+            if self.client is None or self.client.address != address:
+                if self.client is not None:
+                    self.client.close()
+                self.client = DraftingClient(address)
+                log.info("drafting through %s", address)
+        return self.client
 
     def propose(self, requests: list[DraftRequest]) -> DraftOutput:
         return self.propose_async(requests).result()
@@ -125,13 +178,18 @@ class RemoteDrafter(Drafter):
         self.pending_release.extend(seq_ids)
 
     def flush(self) -> None:
-        if self.pending_release:
+        """Send pending releases now (the engine is idle): to the replica holding the state."""
+        if self.pending_release and time.monotonic() >= self.skip_until:
             release, self.pending_release = self.pending_release, []
-            self.handle.release.remote(release)
+            try:
+                self._send([], release)
+            except Exception:
+                self.pending_release[:0] = release
 
     def _failed(self, release: list[str]) -> None:
         # the call may or may not have run; releasing twice is harmless, never releasing leaks
         self.pending_release[:0] = release
+        self.refresh_at = 0.0  # the probe after the back-off looks the replica up again
         if not self.backoff_s:
             log.warning("drafter unavailable; decoding without drafts, retrying with back-off")
         self.backoff_s = min(self.MAX_BACKOFF_S, max(self.MIN_BACKOFF_S, 2 * self.backoff_s))

@@ -58,7 +58,8 @@ class Verifier:
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id if ctx else "local"
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.remote = RemoteDrafter(drafter, cfg.router.drafter_timeout_s, self.replica_id) if drafter else None
+        self.remote = (RemoteDrafter(drafter, cfg.router.drafter_timeout_s, self.replica_id, cfg.router.drafter_transport)
+                       if drafter else None)
         self.engine = build_engine(cfg, self.remote)
         self.cfg = cfg
         # Three readers (autoscaling, routing stats, GetStats), each with its own window.

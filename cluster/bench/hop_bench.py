@@ -1,0 +1,128 @@
+"""Round trip of the verifier -> drafter hop, the one remote call on the decode critical path:
+through Serve's request path (actor transport, and Serve's gRPC transport) against the direct
+gRPC call the verifier makes (cluster.serve.draft_rpc). The drafter replica answers at once,
+so the figures are transport alone. Calls come from a plain thread inside a replica, as the
+verifier's engine loop makes them.
+
+    python -m cluster.bench.hop_bench --out benchmarks/hop
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+
+import numpy as np
+
+from cluster.bench.report import figure, write_json
+
+TRANSPORTS = ("serve handle", "serve handle, gRPC transport", "direct gRPC")
+
+
+def _reply(n: int):
+    from cluster.engine.drafter import DraftOutput, one_hot
+
+    hot = [one_hot([7] * 4) for _ in range(n)]
+    return DraftOutput([[7] * 4] * n, [h[0] for h in hot], [h[1] for h in hot])
+
+
+def _deployments():
+    import ray
+    from ray import serve
+
+    @serve.deployment(name="HopDrafter")
+    class HopDrafter:
+        def __init__(self):
+            from cluster.serve.draft_rpc import serve_drafting
+
+            self.server, self.address = serve_drafting(self.propose, ray.util.get_node_ip_address())
+
+        def propose(self, requests, release, caller):
+            return _reply(len(requests))
+
+        def endpoint(self) -> str:
+            return self.address
+
+    @serve.deployment(name="HopVerifier")
+    class HopVerifier:
+        def __init__(self, drafter):
+            self.drafter = drafter
+
+        def run(self, calls: int, batch: int, context: int) -> dict:
+            from cluster.engine.drafter import DraftRequest
+            from cluster.serve.draft_rpc import DraftingClient
+
+            reqs = [DraftRequest(f"s{i}", list(range(context)), 4) for i in range(batch)]
+            client = DraftingClient(self.drafter.endpoint.remote().result())
+            grpc_handle = self.drafter.options(_by_reference=False)
+            send = {TRANSPORTS[0]: lambda: self.drafter.propose.remote(reqs, [], "v").result(),
+                    TRANSPORTS[1]: lambda: grpc_handle.propose.remote(reqs, [], "v").result(),
+                    TRANSPORTS[2]: lambda: client.propose(reqs, [], "v", 5.0).result()}
+            out = {}
+
+            def loop():  # a plain thread, like the engine loop (not the replica's event loop)
+                for name, fn in send.items():
+                    for _ in range(20):
+                        fn()
+                    ms = []
+                    for _ in range(calls):
+                        t0 = time.perf_counter()
+                        fn()
+                        ms.append(1e3 * (time.perf_counter() - t0))
+                    out[name] = ms
+
+            t = threading.Thread(target=loop)
+            t.start()
+            t.join()
+            client.close()
+            return out
+
+    return HopVerifier.bind(HopDrafter.bind())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="benchmarks/hop")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--batches", default="1,16,64", help="sequences per draft call")
+    ap.add_argument("--context", type=int, default=512, help="tokens per sequence in the call")
+    args = ap.parse_args(argv)
+    import ray
+    from ray import serve
+    from tqdm.auto import tqdm
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    handle = serve.run(_deployments(), name="hop-bench", route_prefix=None)
+    results = {}
+    for b in tqdm([int(x) for x in args.batches.split(",")], desc="hop bench"):
+        raw = handle.run.remote(args.calls, b, args.context).result()
+        results[str(b)] = {k: {"p50_ms": statistics.median(v), "p90_ms": float(np.percentile(v, 90)),
+                               "p99_ms": float(np.percentile(v, 99))} for k, v in raw.items()}
+        print(b, {k: round(v["p50_ms"], 3) for k, v in results[str(b)].items()})
+    serve.delete("hop-bench")
+    path = write_json(args.out, "hop", {"calls": args.calls, "context_tokens": args.context, "results": results})
+
+    plt = figure()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    batches = list(results)
+    width = 0.8 / len(TRANSPORTS)
+    for i, name in enumerate(TRANSPORTS):
+        xs = [j + (i - 1) * width for j in range(len(batches))]
+        p50 = [results[b][name]["p50_ms"] for b in batches]
+        p90 = [results[b][name]["p90_ms"] for b in batches]
+        ax.bar(xs, p50, width, label=name, yerr=[[0] * len(p50), [h - m for h, m in zip(p90, p50)]], capsize=3)
+    ax.set_xticks(range(len(batches)), [f"{b} seqs x {args.context} tokens" for b in batches])
+    ax.set(ylabel="round trip, ms (bar p50, whisker p90)",
+           title=f"verifier -> drafter hop, {os.cpu_count()} CPUs")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=120)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""Greedy plain-decoding steps run one step ahead on the GPU.
+
+A decode step's host work (accepting tokens, stop checks, detokenizing, scheduling the next
+step) otherwise leaves the GPU idle between graph replays: ~0.2 ms of a 6 ms step at batch 1
+on an H100 (8B shape). Here each step's argmax stays on the device and feeds the next step's
+graph at once, before the host reads this step's tokens, so that host work overlaps the next
+step's weight streaming.
+
+The launched-ahead step assumes every row continues. When the next step's rows turn out
+different (a row finished or was aborted, a request arrived, drafts were asked for), its
+result is dropped: it only wrote K/V past each row's length, which nothing reads and the
+next real step overwrites. Greedy rows only: sampled rows draw from per-request CPU
+generators, so their next input is not known on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.engine.sequence import Sequence
+
+
+@dataclass
+class _Ahead:
+    key: tuple          # (seq_id, slot, cache length) per row the launch assumed
+    tokens: torch.Tensor  # [B] int64 on the device: that step's greedy tokens
+
+
+class DecodePipeline:
+    def __init__(self, graphs):
+        self.graphs = graphs  # cluster.engine.graphs.GraphRunner
+        self.ahead: _Ahead | None = None
+        cuda = graphs.device.type == "cuda"
+        self.host = torch.zeros((graphs.max_batch,), dtype=torch.int64, pin_memory=cuda)
+        self.copied = torch.cuda.Event() if cuda else None  # this step's tokens are on the host
+        self.hits = 0  # steps whose launch ahead was used
+
+    def eligible(self, seqs: list[Sequence]) -> bool:
+        return self.graphs.eligible(len(seqs), 1) and all(s.params.greedy for s in seqs)
+
+    @torch.inference_mode()
+    def step(self, seqs: list[Sequence], launch_next: bool) -> list[list[int]]:
+        """One greedy token per row (each row fed its last token): [[t], ...]. `launch_next`:
+        start the following step now (False where a row ends here by length)."""
+        b = len(seqs)
+        key = tuple((s.seq_id, s.slot, s.num_cached) for s in seqs)
+        if self.ahead is not None and self.ahead.key == key:
+            tokens, self.hits = self.ahead.tokens, self.hits + 1
+        else:
+            logits, _ = self.graphs.forward([s.slot for s in seqs], [s.num_cached for s in seqs],
+                                            [[s.token_ids[-1]] for s in seqs])
+            tokens = logits[:, 0].argmax(-1)
+        self.ahead = None
+        host = self.host[:b]
+        host.copy_(tokens, non_blocking=self.copied is not None)
+        if self.copied is not None:
+            self.copied.record()
+        if launch_next:  # EOS and stop strings are not known yet: a finished row drops it
+            logits = self.graphs.replay_next(tokens)
+            self.ahead = _Ahead(tuple((s.seq_id, s.slot, s.num_cached + 1) for s in seqs),
+                                logits[:, 0].argmax(-1))
+        if self.copied is not None:
+            self.copied.synchronize()
+        return [[t] for t in host.tolist()]

@@ -1,0 +1,106 @@
+"""Greedy decoding a step ahead (cluster.engine.pipeline) gives the tokens of plain stepping,
+through finishes by EOS, stop strings and length, aborts, late arrivals and mixed batches.
+
+On CPU there are no CUDA graphs, so an eager stand-in with the GraphRunner's contract runs
+the pipeline: `forward` remembers its rows, `replay_next` runs the step after it with the
+lengths grown by one and the given device tokens, as a graph replay on its static inputs.
+"""
+
+import pytest
+import torch
+
+from cluster.engine.drafter import ModelDrafter, NgramDrafter
+from cluster.engine.engine import Engine
+from cluster.engine.model import load_model
+from cluster.engine.pipeline import DecodePipeline
+from cluster.engine.sampling import SamplingParams
+from cluster.engine.scheduler import EngineConfig
+from cluster.engine.sequence import SpecParams
+
+
+class EagerGraphs:
+    max_batch = 128
+    device = torch.device("cpu")
+
+    def __init__(self, runner):
+        self.runner, self.last, self.replays = runner, None, 0
+
+    def eligible(self, batch: int, width: int) -> bool:
+        return width == 1 and batch <= self.max_batch
+
+    def forward(self, slots, cache_lens, tokens):
+        self.last = (list(slots), list(cache_lens))
+        return self.runner.forward(slots, cache_lens, tokens, last_only=False), None
+
+    def replay_next(self, tokens: torch.Tensor) -> torch.Tensor:
+        slots, lens = self.last
+        self.last = (slots, [n + 1 for n in lens])
+        self.replays += 1
+        return self.runner.forward(slots, self.last[1], [[t] for t in tokens.tolist()], last_only=False)
+
+
+def make_engine(random_models, tokenizer, pipelined: bool) -> Engine:
+    target = load_model(random_models["llama"], torch.float32, "cpu")
+    draft = load_model(random_models["llama_draft"], torch.float32, "cpu")
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=96, block_size=4, prefix_cache_blocks=32, max_batch_tokens=64)
+    e = Engine(target, tokenizer, cfg, {"ngram": NgramDrafter(), "model": ModelDrafter(draft, 16, 96)}, "model")
+    if pipelined:
+        e.pipeline = DecodePipeline(EagerGraphs(e.runner))
+    return e
+
+
+def run(engine: Engine, script) -> dict[str, list[int]]:
+    """script: {step number: [("add", prompt, params, spec) | ("abort", index)]}; returns
+    each request's tokens by index."""
+    sids, out, step = [], {}, 0
+    while True:
+        for action in script.get(step, []):
+            if action[0] == "add":
+                sids.append(engine.add_request(action[1], action[2], action[3]))
+            else:
+                engine.abort(sids[action[1]])
+        if not engine.has_work and step > max(script):
+            break
+        for o in engine.step() if engine.has_work else []:
+            out.setdefault(o.seq_id, []).extend(o.token_ids)
+        step += 1
+    return {i: out.get(s, []) for i, s in enumerate(sids)}
+
+
+@pytest.fixture(scope="module")
+def engines(random_models, tokenizer):
+    return make_engine(random_models, tokenizer, False), make_engine(random_models, tokenizer, True)
+
+
+def test_pipelined_greedy_decoding_matches_plain_steps(engines):
+    off, greedy = SpecParams("off"), SamplingParams(max_tokens=40, ignore_eos=True)
+    script = {
+        0: [("add", "def f(x):\n    return", greedy, off), ("add", "abcabc", SamplingParams(max_tokens=7), off)],
+        3: [("add", "the quick brown fox", SamplingParams(max_tokens=30, stop=["o"]), off)],  # arrives mid-run
+        9: [("abort", 0)],
+        12: [("add", "zzz", SamplingParams(max_tokens=200, ignore_eos=True), off),  # runs into max_model_len
+             ("add", "xyz", SamplingParams(max_tokens=12, temperature=0.8, seed=5), off),  # sampled: not pipelined
+             ("add", "hello", greedy, SpecParams("fixed", 3))],  # speculative rows: not pipelined
+    }
+    plain, piped = (run(e, script) for e in engines)
+    assert piped == plain
+    assert all(piped.values()) and len(piped[3]) == 96 - 3  # the long one stopped at max_model_len
+    assert engines[1].pipeline.hits > 20  # most plain steps used the launch ahead
+    assert engines[1].pipeline.graphs.replays > engines[1].pipeline.hits  # some were dropped
+    for e in engines:
+        assert e.kv.slots_used == 0 and not e.seqs and not e.has_work
+
+
+def test_launch_ahead_is_dropped_when_rows_change(engines):
+    e = engines[1]
+    hits = e.pipeline.hits
+    a = e.add_request("one", SamplingParams(max_tokens=5, ignore_eos=True), SpecParams("off"))
+    e.step()  # prefill
+    e.step()  # first decode step launches the next one ahead
+    assert e.pipeline.ahead is not None
+    e.abort(a)
+    b = e.add_request("two", SamplingParams(max_tokens=3, ignore_eos=True), SpecParams("off"))
+    while e.has_work:
+        e.step()
+    assert e.pipeline.hits == hits + 1  # the second decode step of "two" only
+    assert b not in e.seqs and e.kv.slots_used == 0
