@@ -159,6 +159,8 @@ def main() -> int:
 
 
 def sweep_only(engine, prompts, R) -> int:
+    if os.environ.get("SKIP_SWEEP") == "1":
+        return _write(R, "gpu_bench.json")
     # One controller for the whole ramp, as in a server whose load rises: what it learnt at
     # low concurrency (acceptance, cost per token) carries over; each level warms it up.
     sweep, controller = [], make_controller(SpeculationPolicyConfig(mode="goodput"))
@@ -180,7 +182,14 @@ def sweep_only(engine, prompts, R) -> int:
                       "ratio": auto["tokens_per_s"] / off["tokens_per_s"]})
         log("sweep:", sweep[-1])
     R["concurrency_sweep"] = sweep
-    name = "gpu_bench_sweep.json" if os.environ.get("SWEEP_ONLY") == "1" else "gpu_bench.json"
+    return _write(R, "gpu_bench_sweep.json" if os.environ.get("SWEEP_ONLY") == "1" else "gpu_bench.json")
+
+
+def _write(R: dict, name: str) -> int:
+    from cluster.engine import gemv
+
+    R["gemv_max_rows"] = gemv.MAX_ROWS  # 1: multi-row projections (verify) on cuBLAS
+    os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, name), "w") as f:
         json.dump(R, f, indent=2)
     log("done")

@@ -1,7 +1,8 @@
 """Round trip of the verifier -> drafter hop, the one remote call on the decode critical path:
 through Serve's request path (actor transport, and Serve's gRPC transport) against the direct
 gRPC call the verifier makes (cluster.serve.draft_rpc). The drafter replica answers at once,
-so the figures are transport alone. Calls come from a plain thread inside a replica, as the
+so the figures are transport alone. The direct call sends a sequence's tokens once and
+then only those accepted since; its first call per sequence carries the whole context. Calls come from a plain thread inside a replica, as the
 verifier's engine loop makes them.
 
     python -m cluster.bench.hop_bench --out benchmarks/hop
@@ -19,7 +20,8 @@ import numpy as np
 
 from cluster.bench.report import figure, write_json
 
-TRANSPORTS = ("serve handle", "serve handle, gRPC transport", "direct gRPC")
+TRANSPORTS = ("serve handle", "serve handle, gRPC transport", "direct gRPC, whole context",
+              "direct gRPC, new tokens (as sent)")
 
 
 def _reply(n: int):
@@ -38,10 +40,13 @@ def _deployments():
         def __init__(self):
             from cluster.serve.draft_rpc import serve_drafting
 
-            self.server, self.address = serve_drafting(self.propose, ray.util.get_node_ip_address())
+            self.server, self.address = serve_drafting(self.propose_from, ray.util.get_node_ip_address())
 
         def propose(self, requests, release, caller):
             return _reply(len(requests))
+
+        def propose_from(self, requests, starts, release, caller):
+            return _reply(len(requests)), [False] * len(requests)
 
         def endpoint(self) -> str:
             return self.address
@@ -60,7 +65,9 @@ def _deployments():
             grpc_handle = self.drafter.options(_by_reference=False)
             send = {TRANSPORTS[0]: lambda: self.drafter.propose.remote(reqs, [], "v").result(),
                     TRANSPORTS[1]: lambda: grpc_handle.propose.remote(reqs, [], "v").result(),
-                    TRANSPORTS[2]: lambda: client.propose(reqs, [], "v", 5.0).result()}
+                    TRANSPORTS[2]: lambda: client.propose(reqs, [0] * batch, [], "v", 5.0).result(),
+                    # a verifier sends each sequence's tokens once: after that, those accepted since
+                    TRANSPORTS[3]: lambda: client.propose(reqs, [context - 5] * batch, [], "v", 5.0).result()}
             out = {}
 
             def loop():  # a plain thread, like the engine loop (not the replica's event loop)
@@ -88,7 +95,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/hop")
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--batches", default="1,16,64", help="sequences per draft call")
-    ap.add_argument("--context", type=int, default=512, help="tokens per sequence in the call")
+    ap.add_argument("--context", type=int, default=2048, help="tokens per sequence")
     args = ap.parse_args(argv)
     import ray
     from ray import serve
@@ -110,11 +117,11 @@ def main(argv=None) -> int:
     batches = list(results)
     width = 0.8 / len(TRANSPORTS)
     for i, name in enumerate(TRANSPORTS):
-        xs = [j + (i - 1) * width for j in range(len(batches))]
+        xs = [j + (i - 1.5) * width for j in range(len(batches))]
         p50 = [results[b][name]["p50_ms"] for b in batches]
         p90 = [results[b][name]["p90_ms"] for b in batches]
         ax.bar(xs, p50, width, label=name, yerr=[[0] * len(p50), [h - m for h, m in zip(p90, p50)]], capsize=3)
-    ax.set_xticks(range(len(batches)), [f"{b} seqs x {args.context} tokens" for b in batches])
+    ax.set_xticks(range(len(batches)), [f"{b} seqs, {args.context}-token context" for b in batches])
     ax.set(ylabel="round trip, ms (bar p50, whisker p90)",
            title=f"verifier -> drafter hop, {os.cpu_count()} CPUs")
     ax.legend()

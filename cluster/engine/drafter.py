@@ -36,6 +36,8 @@ class DraftRequest:
     token_ids: list[int]             # prompt + accepted output so far
     k: int                           # tokens to propose
     params: SamplingParams = field(default_factory=SamplingParams)
+    confirmed: int | None = None     # of token_ids, how many are accepted (None: all); the rest
+                                     # are drafts a look-ahead request assumes will be accepted
 
     @classmethod
     def make_dummy(cls, k: int = 4) -> "DraftRequest":
@@ -137,6 +139,11 @@ class ModelDrafter(Drafter):
             slot, toks = self.state[seq_id]
             self.state[seq_id] = (slot, toks[:num_tokens])
 
+    def tokens_held(self, seq_id: str) -> list[int] | None:
+        """The tokens whose KV this drafter holds for a sequence (None: no state)."""
+        st = self.state.get(seq_id)
+        return st[1] if st is not None else None
+
     def _slot(self, seq_id: str, keep: set[str]) -> int:
         if seq_id in self.state:
             self.state.move_to_end(seq_id)
@@ -156,8 +163,9 @@ class ModelDrafter(Drafter):
         if live:
             self._propose(live, out)
         toks, ids, probs = zip(*(out[r.seq_id] for r in requests))
-        return DraftOutput(list(toks), [np.asarray(i, np.int32).reshape(len(t), -1) for i, t in zip(ids, toks)],
-                           [np.asarray(p, np.float32).reshape(len(t), -1) for p, t in zip(probs, toks)],
+        # rows with no drafts (k = 0, too long) get [0, 1] arrays, as every drafter's empty rows
+        return DraftOutput(list(toks), [np.asarray(i, np.int32).reshape(len(t), -1 if t else 1) for i, t in zip(ids, toks)],
+                           [np.asarray(p, np.float32).reshape(len(t), -1 if t else 1) for p, t in zip(probs, toks)],
                            time.perf_counter() - t0)
 
     def _propose(self, reqs: list[DraftRequest], out: dict) -> None:

@@ -112,6 +112,6 @@ class DraftPlanner:
             s, g = rows[b]
             if out.tokens[b]:
                 ahead_rows[s.seq_id] = (len(reqs), len(s.token_ids) + len(out.tokens[b]))
-                reqs.append(DraftRequest(s.seq_id, s.token_ids + out.tokens[b], g + 1, s.params))
+                reqs.append(DraftRequest(s.seq_id, s.token_ids + out.tokens[b], g + 1, s.params, len(s.token_ids)))
         if reqs:
             self.ahead[name] = _Ahead(self.drafters[name].propose_async(reqs), ahead_rows)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRow(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "k", "temperature", "top_p", "top_k", "seed")
+    __slots__ = ("seq_id", "token_ids", "k", "temperature", "top_p", "top_k", "seed", "start")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class DraftRow(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     k: int
@@ -24,7 +25,8 @@ class DraftRow(_message.Message):
     top_p: float
     top_k: int
     seed: int
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    start: int
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., start: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("rows", "release", "caller")
@@ -37,16 +39,18 @@ class ProposeRequest(_message.Message):
     def __init__(self, rows: _Optional[_Iterable[_Union[DraftRow, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., caller: _Optional[str] = ...) -> None: ...
 
 class Drafted(_message.Message):
-    __slots__ = ("tokens", "width", "q_ids", "q_probs")
+    __slots__ = ("tokens", "width", "q_ids", "q_probs", "resync")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     WIDTH_FIELD_NUMBER: _ClassVar[int]
     Q_IDS_FIELD_NUMBER: _ClassVar[int]
     Q_PROBS_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     width: int
     q_ids: bytes
     q_probs: bytes
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., width: _Optional[int] = ..., q_ids: _Optional[bytes] = ..., q_probs: _Optional[bytes] = ...) -> None: ...
+    resync: bool
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., width: _Optional[int] = ..., q_ids: _Optional[bytes] = ..., q_probs: _Optional[bytes] = ..., resync: _Optional[bool] = ...) -> None: ...
 
 class ProposeReply(_message.Message):
     __slots__ = ("rows", "seconds")

@@ -38,8 +38,8 @@ class DrafterDeployment:
 
         cfg = ClusterConfig.model_validate(config)
         self.drafter = build_model_drafter(cfg)
-        self.lock = threading.Lock()
-        self.server, self.address = serve_drafting(self.propose, ray.util.get_node_ip_address())
+        self.lock = threading.RLock()  # propose_from holds it across propose
+        self.server, self.address = serve_drafting(self.propose_from, ray.util.get_node_ip_address())
         self.demand = DraftDemandMeter()
         # a verifier that dies never releases its sequences: they expire instead
         self.ttl_s = cfg.router.drafter_state_ttl_s
@@ -52,6 +52,22 @@ class DrafterDeployment:
             now = self._expire()
             self.last_used.update((r.seq_id, now) for r in requests)
             return self.drafter.propose(requests)
+
+    def propose_from(self, requests: list[DraftRequest], starts: list[int], release: list[str],
+                     caller: str = "") -> tuple[DraftOutput, list[bool]]:
+        """The direct call: each request's token_ids continue the `start` tokens this replica
+        holds for it. A row whose start it lacks (evicted, or another replica drafted it) is
+        answered `resync`, with no drafts; its verifier sends all its tokens next time."""
+        with self.lock:
+            resync = []
+            for r, start in zip(requests, starts):
+                held = self.drafter.tokens_held(r.seq_id) if start else []
+                resync.append(held is None or len(held) < start)
+                if resync[-1]:
+                    r.k = 0
+                else:
+                    r.token_ids = held[:start] + r.token_ids
+            return self.propose([r for r in requests], release, caller), resync
 
     def release(self, seq_ids: list[str]) -> None:
         with self.lock:
@@ -90,18 +106,18 @@ class DrafterDeployment:
 
 
 class _Pending(Future):
-    def __init__(self, owner: "RemoteDrafter", response, release: list[str]):
+    def __init__(self, owner: "RemoteDrafter", response, release: list[str], requests: list[DraftRequest]):
         super().__init__()
-        self.owner, self.response, self.release = owner, response, release
+        self.owner, self.response, self.release, self.requests = owner, response, release, requests
 
     def result(self, timeout=None):
         try:
             out = self.response.result(timeout_s=self.owner.timeout_s)
         except Exception:
             self.response.cancel()  # a stale call must not run later on a recovered replica
-            self.owner._failed(self.release)
+            self.owner._failed(self.release, self.requests)
             raise
-        self.owner._succeeded()
+        self.owner._succeeded(self.requests, getattr(self.response, "resync", None))
         return out
 
 
@@ -131,6 +147,9 @@ class RemoteDrafter(Drafter):
         self.direct = transport == "direct"
         self.client = None  # DraftingClient to one replica (direct transport)
         self.refresh_at = 0.0
+        # seq_id -> tokens that replica holds (direct transport): a call sends only the rest
+        self.held: dict[str, int] = {}
+        self.last_call = None
         self.pending_release: list[str] = []
         self.skip_until, self.backoff_s = 0.0, 0.0
 
@@ -143,14 +162,21 @@ class RemoteDrafter(Drafter):
         except Exception as e:  # no replica to be found: fail this call like a failed reply
             fut: Future = Future()
             fut.set_exception(e)
-            self._failed(release)
+            self._failed(release, requests)
             return fut
-        return _Pending(self, response, release)
+        return _Pending(self, response, release, requests)
 
     def _send(self, requests: list[DraftRequest], release: list[str]):
         if not self.direct:
             return self.handle.propose.remote(requests, release, self.caller)
-        return self._client().propose(requests, release, self.caller, self.timeout_s)
+        client = self._client()
+        starts = [min(self.held.get(r.seq_id, 0), len(r.token_ids)) for r in requests]
+        call = self.last_call = client.propose(requests, starts, release, self.caller, self.timeout_s)
+        # Counted as held once sent: the next call for a sequence goes out only after this
+        # one's reply (or its failure, or a resync, which forget it again).
+        for r in requests:
+            self.held[r.seq_id] = len(r.token_ids) if r.confirmed is None else r.confirmed
+        return call
 
     def _client(self):
         from cluster.serve.draft_rpc import DraftingClient
@@ -168,6 +194,7 @@ class RemoteDrafter(Drafter):
                 if self.client is not None:
                     self.client.close()
                 self.client = DraftingClient(address)
+                self.held.clear()  # a new replica holds nothing of ours
                 log.info("drafting through %s", address)
         return self.client
 
@@ -176,26 +203,36 @@ class RemoteDrafter(Drafter):
 
     def release(self, seq_ids: list[str]) -> None:
         self.pending_release.extend(seq_ids)
+        for sid in seq_ids:
+            self.held.pop(sid, None)
 
     def flush(self) -> None:
-        """Send pending releases now (the engine is idle): to the replica holding the state."""
-        if self.pending_release and time.monotonic() >= self.skip_until:
+        """Send pending releases now (the engine is idle): to the replica holding the state.
+        Not while a call is still running there (a look-ahead no step will read): run after
+        it, the release frees what that call drafted."""
+        busy = self.last_call is not None and not self.last_call.done()
+        if self.pending_release and time.monotonic() >= self.skip_until and not busy:
             release, self.pending_release = self.pending_release, []
             try:
                 self._send([], release)
             except Exception:
                 self.pending_release[:0] = release
 
-    def _failed(self, release: list[str]) -> None:
+    def _failed(self, release: list[str], requests: list[DraftRequest]) -> None:
         # the call may or may not have run; releasing twice is harmless, never releasing leaks
         self.pending_release[:0] = release
+        for r in requests:
+            self.held.pop(r.seq_id, None)
         self.refresh_at = 0.0  # the probe after the back-off looks the replica up again
         if not self.backoff_s:
             log.warning("drafter unavailable; decoding without drafts, retrying with back-off")
         self.backoff_s = min(self.MAX_BACKOFF_S, max(self.MIN_BACKOFF_S, 2 * self.backoff_s))
         self.skip_until = time.monotonic() + self.backoff_s
 
-    def _succeeded(self) -> None:
+    def _succeeded(self, requests: list[DraftRequest], resync: list[bool] | None) -> None:
+        for r, again in zip(requests, resync or ()):
+            if again:
+                self.held.pop(r.seq_id, None)
         if self.backoff_s:
             log.info("drafter reachable again; speculation resumes")
         self.skip_until, self.backoff_s = 0.0, 0.0

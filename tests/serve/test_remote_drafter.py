@@ -77,11 +77,11 @@ class Replica:
         self.reply, self.calls = reply, []
         self.server, self.address = serve_drafting(self.propose, "127.0.0.1")
 
-    def propose(self, requests, release, caller):
-        self.calls.append((requests, release, caller))
+    def propose(self, requests, starts, release, caller):
+        self.calls.append((requests, starts, release, caller))
         if any(r.seq_id == "boom" for r in requests):
             raise RuntimeError("drafter bug")
-        return self.reply
+        return self.reply, [False] * len(requests)
 
 
 class EndpointHandle:
@@ -115,9 +115,9 @@ def test_direct_transport_round_trip():
         np.testing.assert_array_equal(out.q_ids[0], sampled_reply().q_ids[0])
         np.testing.assert_array_equal(out.q_probs[0], sampled_reply().q_probs[0])
         assert out.q_ids[1].shape == (0, 1)
-        (sent, release, caller), = replica.calls
+        (sent, starts, release, caller), = replica.calls
         assert release == ["old"] and caller == "v1" and d.pending_release == []
-        assert [r.seq_id for r in sent] == ["s1", "s2"] and sent[0].token_ids == list(range(3000))
+        assert [r.seq_id for r in sent] == ["s1", "s2"] and sent[0].token_ids == list(range(3000)) and starts == [0, 0]
         p = sent[0].params
         assert (p.seed, p.top_k, sent[0].k) == (3, 5, 2) and abs(p.temperature - 0.7) < 1e-6 and sent[1].params.seed is None
     finally:
@@ -144,3 +144,70 @@ def test_direct_transport_finds_the_replacement_replica(monkeypatch):
         assert handle.lookups == 2 and d.backoff_s == 0 and len(second.calls) == 1
     finally:
         second.server.stop(0)
+
+
+class Counting:
+    """Wraps a replica's propose_from to see what each direct call carried."""
+
+    def __init__(self, replica):
+        self.replica, self.calls = replica, []
+
+    def __call__(self, requests, starts, release, caller):
+        self.calls.append([(r.seq_id, s, len(r.token_ids)) for r, s in zip(requests, starts)])
+        return self.replica.propose_from(requests, starts, release, caller)
+
+
+def test_direct_calls_send_only_new_tokens_and_resync_after_eviction(demo_pair):
+    """The real Drafter replica class behind a real gRPC server, an in-process engine using
+    it as its remote drafter: greedy output equals speculation off; after the first call a
+    sequence's call carries only its new tokens; evicted draft state is re-sent in full."""
+    import torch
+
+    from cluster.config import parse_config
+    from cluster.serve.build import build_engine
+    from cluster.serve.draft_rpc import serve_drafting
+    from cluster.serve.drafter import DrafterDeployment
+    from cluster.engine.sequence import SpecParams
+
+    torch.manual_seed(0)
+    cfg = parse_config({"models": {"target": str(demo_pair[0]), "draft": str(demo_pair[1]), "device": "cpu"},
+                        "placement": "disaggregated", "kvdir": {"url": None}})
+    replica = DrafterDeployment.func_or_class(cfg.model_dump())
+    replica.server.stop(0)  # serve it through the counting wrapper instead
+    counting = Counting(replica)
+    server, address = serve_drafting(counting, "127.0.0.1")
+    try:
+        remote = RemoteDrafter(EndpointHandle(SimpleNamespace(address=address)), timeout_s=10.0, caller="v")
+        engine = build_engine(cfg, remote)
+        prompts = ["def fibonacci(n):", "import os\nimport sys\n\ndef main("]
+        greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+        off = engine.generate(prompts, greedy, SpecParams("off"))
+        spec = engine.generate(prompts, greedy, SpecParams("fixed", 4), "model")
+        assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in off]
+        assert sum(r["spec"]["accepted"] for r in spec) > 0
+        rows = [row for call in counting.calls for row in call]
+        assert rows[0][1] == 0 and any(start > 0 for _, start, _ in rows)
+        later = [n for _, start, n in rows if start > 0]
+        assert max(later) <= 4 + 4 + 1  # accepted tokens + assumed drafts, never the whole context
+
+        # the replica loses a sequence's state mid-run: that row resyncs, output is unchanged
+        sid = engine.add_request(prompts[1], greedy, SpecParams("fixed", 4), "model")
+        out, steps = [], 0
+        while engine.has_work:
+            for o in engine.step():
+                out += o.token_ids
+            steps += 1
+            if steps == 6:
+                with replica.lock:
+                    replica.drafter.release([sid])
+        assert out == off[1]["token_ids"]
+        after = [row for call in counting.calls[-12:] for row in call if row[0] == sid]
+        assert any(start == 0 for _, start, _ in after[1:]), "the evicted row was not sent again in full"
+        assert sid not in remote.held and remote.pending_release
+        deadline = time.monotonic() + 10
+        while (replica.drafter.state or remote.pending_release) and time.monotonic() < deadline:
+            remote.flush()  # what the verifier's loop does when idle: the release reaches the replica
+            time.sleep(0.05)
+        assert not replica.drafter.state and not remote.pending_release
+    finally:
+        server.stop(0)
