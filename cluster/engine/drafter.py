@@ -65,7 +65,11 @@ def one_hot(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
 
 class Drafter(abc.ABC):
     name = "drafter"
-    remote = False  # True: calls run in another process, so the engine drafts a step ahead
+    # Whether the engine asks for the next step's drafts while this step verifies (assuming
+    # every draft is accepted): "gated", a drafter in another process, whose queue makes a
+    # wrong guess cost a step, so only while guesses pay; "free", one that drafts on its own
+    # CUDA stream while the host would wait for the verify pass anyway; None, never.
+    look_ahead: str | None = None
     needs_hidden = False  # True: the engine keeps each sequence's last hidden state (Sequence.hidden)
 
     @abc.abstractmethod
@@ -116,9 +120,14 @@ class ModelDrafter(Drafter):
 
     name = "model"
 
-    def __init__(self, model: CausalLM, num_slots: int = 64, max_len: int = 2048, gamma_max: int = 8):
+    def __init__(self, model: CausalLM, num_slots: int = 64, max_len: int = 2048, gamma_max: int = 8,
+                 look_ahead: str | None = "auto"):
         s = model.shape
         p = next(model.parameters())
+        # Its own stream on a GPU: a draft launched while the target verifies runs beside it
+        # (a small model's step is launches and syncs, which then overlap the verify pass).
+        self.stream = torch.cuda.Stream(p.device) if p.device.type == "cuda" else None
+        self.look_ahead = ("free" if self.stream is not None else None) if look_ahead == "auto" else look_ahead
         # spare positions: a batched catch-up pads short rows up to CATCHUP tokens
         self.kv = KVCache(s.layers, num_slots, max_len + CATCHUP, s.kv_heads, s.head_dim, p.dtype, p.device)
         # CUDA graphs for catch-up and draft steps: a small model's step is launches, not math
@@ -126,6 +135,14 @@ class ModelDrafter(Drafter):
         self.max_len = max_len
         self.state: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()  # seq_id -> (slot, cached tokens)
         self.generators: dict[str, torch.Generator] = {}
+
+    def propose_async(self, requests: list[DraftRequest]) -> Future:
+        if self.stream is None:
+            return super().propose_async(requests)
+        fut: Future = Future()
+        with torch.cuda.stream(self.stream):  # every step syncs this stream: nothing left in flight
+            fut.set_result(self.propose(requests))
+        return fut
 
     def release(self, seq_ids: list[str]) -> None:
         for sid in seq_ids:

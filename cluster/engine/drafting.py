@@ -1,15 +1,18 @@
 """Per-step drafting: one propose call per drafter for the whole batch.
 
-For a drafter in another process (`Drafter.remote`), the next step's drafts are asked for
-while this step verifies, on the assumption that every draft is accepted and the bonus
-token is the drafter's own next guess: the request is `tokens + drafts` for gamma + 1
-tokens, whose first is that guess. When the verify pass bears the assumption out, the next
-step starts with its drafts already in hand; otherwise they are dropped and drafted fresh.
-Either way the verifier decides every token, so the guess only ever costs time.
+For a drafter that can work while the target verifies (`Drafter.look_ahead`), the next
+step's drafts are asked for during this step's verify pass, on the assumption that every
+draft is accepted and the bonus token is the drafter's own next guess: the request is
+`tokens + drafts` for gamma + 1 tokens, whose first is that guess. When the verify pass
+bears the assumption out, the next step starts with its drafts already in hand; otherwise
+they are dropped and drafted fresh. Either way the verifier decides every token, so the
+guess only ever costs time.
 
-A miss is not free: the drafter replica serves calls in order, so the fresh call queues
-behind the look-ahead one. Looking ahead therefore stays on only while its measured hit
-rate pays for that (above `min_hit_rate`), and is re-tried every `probe_every` steps.
+For a drafter in another process ("gated") a miss is not free: the replica serves calls in
+order, so the fresh call queues behind the look-ahead one. Looking ahead there stays on only
+while its measured hit rate pays for that (above `min_hit_rate`), and is re-tried every
+`probe_every` steps. A drafter on its own CUDA stream ("free") drafts while the host would
+only wait for the verify pass, so it always looks ahead.
 """
 
 from __future__ import annotations
@@ -56,11 +59,19 @@ class DraftPlanner:
                 for j, b in enumerate(fresh[name]):
                     self._fill(out, b, res, j, 0, rows[b][1])
         self.steps += 1
-        look_ahead = self.hit_rate >= self.min_hit_rate or self.steps % self.probe_every == 0
-        for name, idx in groups.items():
-            if self.drafters[name].remote and look_ahead:
-                self._ask_ahead(name, idx, rows, out)
         return out
+
+    def ask_ahead(self, rows: list[tuple[Sequence, int]], out: DraftOutput) -> None:
+        """Call once this step's verify pass is launched: the next step's drafts, guessed."""
+        gated = self.hit_rate >= self.min_hit_rate or self.steps % self.probe_every == 0
+        groups: dict[str, list[int]] = {}
+        for b, (s, g) in enumerate(rows):
+            if g > 0:
+                groups.setdefault(s.drafter or self.default, []).append(b)
+        for name, idx in groups.items():
+            mode = self.drafters[name].look_ahead
+            if mode == "free" or (mode == "gated" and gated):
+                self._ask_ahead(name, idx, rows, out)
 
     @staticmethod
     def _request(row: tuple[Sequence, int]) -> DraftRequest:

@@ -187,6 +187,7 @@ class Engine:
                 self.pipeline.ahead = None
             logits, hidden = self.runner.forward([s.slot for s in seqs], [s.num_cached for s in seqs], feeds,
                                                  last_only=False, trees=drafts.parents, hidden=True)
+            self.planner.ask_ahead(rows, drafts)  # on a GPU the verify pass runs meanwhile
             if drafts.parents is None:  # chains only; ends: feed index of each row's last accepted token
                 out = self._sample(seqs, logits, drafts)
                 ends = [len(o) - 1 for o in out]

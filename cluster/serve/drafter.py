@@ -138,7 +138,7 @@ class RemoteDrafter(Drafter):
     with the direct transport it looks the replica up again first."""
 
     name = "model"
-    remote = True  # the engine asks for the next step's drafts while this step verifies
+    look_ahead = "gated"  # the engine asks for the next step's drafts while this step verifies
     MIN_BACKOFF_S, MAX_BACKOFF_S = 0.5, 5.0
     REFRESH_S = 30.0  # look the replica up again: callers spread onto replicas added since
 

@@ -160,7 +160,7 @@ def test_prefix_pool_evicts_chain_tails_first(random_models, tokenizer):
 
 class ThreadedDrafter(NgramDrafter):
     """An n-gram drafter answering from another thread, as a remote drafter does."""
-    remote = True
+    look_ahead = "gated"
 
     def __init__(self):
         super().__init__()
@@ -181,6 +181,20 @@ def test_drafting_ahead_is_lossless_and_hits(random_models, tokenizer, baseline)
     out = e.generate(PROMPTS, SamplingParams(max_tokens=48, ignore_eos=True), SpecParams("fixed", 3))
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in baseline]
     assert e.planner.counts["ahead_hits"] > 0, e.planner.counts
+
+
+def test_model_drafter_drafting_ahead_is_lossless(random_models, tokenizer, baseline):
+    """A model drafter that drafts the next step while this one verifies (on a GPU, on its
+    own stream; here in turn): greedy output unchanged, some guesses used, none left over."""
+    target = load_model(random_models["llama"], torch.float32, "cpu")
+    draft = load_model(random_models["llama"], torch.float32, "cpu")  # the target itself: guesses hit
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, max_batch_tokens=64)
+    drafter = ModelDrafter(draft, 8, 256, look_ahead="free")
+    e = Engine(target, tokenizer, cfg, {"model": drafter}, "model")
+    out = e.generate(PROMPTS, SamplingParams(max_tokens=48, ignore_eos=True), SpecParams("fixed", 3))
+    assert [r["token_ids"] for r in out] == [r["token_ids"] for r in baseline]
+    assert e.planner.counts["ahead_hits"] > 10, e.planner.counts
+    assert not drafter.state and e.kv.slots_used == 0
 
 
 def test_early_exit_self_drafter_is_lossless(random_models, tokenizer, baseline):

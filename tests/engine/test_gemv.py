@@ -1,6 +1,6 @@
-"""fused_linear (cluster/engine/gemv.py) against the eager composition in model.py, on CPU
-through Triton's interpreter: 1 row (_gemv) and 2..16 rows (_gemv_rows), every prologue,
-with and without bias and residual.
+"""fused_linear (cluster/engine/gemv.py, the batch-1 decode projection) against the eager
+composition in model.py, on CPU through Triton's interpreter: every prologue, with and
+without bias and residual.
 
 float32, not bfloat16: the interpreter keeps bf16 as raw uint16 and its tl.dot multiplies
 those bits as integers, so a bf16 run would test the interpreter. In fp32 only summation
@@ -70,7 +70,7 @@ def gemv():
         pytest.skip(f"triton cannot run in interpreter mode here: {e!r}")
     from cluster.engine import gemv as g
 
-    assert g._ONE  # imported here first, with GEMV_CONFIGS set
+    assert len(g._gemv.configs) == 1  # imported here first, with GEMV_CONFIGS set
     return g
 
 
@@ -83,7 +83,7 @@ def eager(x, w, bias, norm, silu, residual):
     return y if residual is None else residual + y
 
 
-@pytest.mark.parametrize("m", (1, 2, 5, 9, 16))
+@pytest.mark.parametrize("m", (1,))
 @pytest.mark.parametrize("pro", ("none", "rmsnorm", "silu"))
 @pytest.mark.parametrize("bias", (False, True))
 @pytest.mark.parametrize("res", (False, True))
@@ -99,16 +99,6 @@ def test_fused_linear_matches_eager(gemv, m, pro, bias, res):
     torch.testing.assert_close(y, eager(x, w, b, nw, pro == "silu", r), atol=1e-4, rtol=1e-4)
 
 
-def test_strided_rows(gemv):
-    """Rows and residual that are views with a row stride wider than K (N): slices of wider tensors."""
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(5, K + 64, generator=g)[:, :K]
-    w, nw = torch.randn(N, K, generator=g) / K ** 0.5, 1 + 0.1 * torch.randn(K, generator=g)
-    r = torch.randn(5, N + 16, generator=g)[:, :N]
-    y = gemv.fused_linear(x, w, norm=nw, eps=EPS, residual=r)
-    torch.testing.assert_close(y, eager(x, w, None, nw, False, r), atol=1e-4, rtol=1e-4)
-
-
-def test_too_many_rows(gemv):
+def test_more_rows_than_the_kernel_takes(gemv):
     with pytest.raises(AssertionError):
         gemv.fused_linear(torch.randn(gemv.MAX_ROWS + 1, K), torch.randn(N, K))
