@@ -71,6 +71,10 @@ class EngineSection(_Strict):
     compile: bool = False
     """GPU fast path: Triton GEMV with fused norm/SiLU/residual for batch-1 steps and
     torch.compile'd elementwise kernels (CUDA only; ignored on CPU). Costs warm-up time."""
+    draft_look_ahead: bool = True
+    """A model drafter in the verifier's process (colocated) on a GPU drafts the next step on
+    its own CUDA stream while the target verifies, guessing every draft is accepted; a right
+    guess saves that step's drafting. Remote drafters look ahead while their hit rate pays."""
 
     def engine_config(self, models: ModelsConfig, gamma: int, gamma_max: int) -> EngineConfig:
         device = models.device

@@ -136,6 +136,16 @@ def main() -> int:
             "ideal_speedup_measured_verify": ideal_v, "fraction_of_ideal_measured_verify": speedup / ideal_v,
             "same_tokens_as_plain": spec["token_ids"] == plain["token_ids"]}
         log(f"model drafter g{gamma}:", R["speculation_batch1"][f"g{gamma}"])
+    # the drafter's look-ahead (drafting the next step on its stream during the verify) on and off
+    counts = dict(engine.planner.counts)
+    on = decode_rate(engine, one, SpecParams("fixed", 4), "model")
+    hits = {k: engine.planner.counts[k] - counts[k] for k in ("ahead_hits", "ahead_misses")}
+    drafter.look_ahead = None
+    off = decode_rate(engine, one, SpecParams("fixed", 4), "model")
+    drafter.look_ahead = "free"
+    R["look_ahead_g4"] = {"on_tokens_per_s": on["tokens_per_s"], "off_tokens_per_s": off["tokens_per_s"], **hits,
+                          "same_tokens": on["token_ids"] == off["token_ids"] == plain["token_ids"]}
+    log("look-ahead g4:", R["look_ahead_g4"])
     ng = decode_rate(engine, one, SpecParams("fixed", 4), "ngram")
     R["ngram_batch1_g4"] = {**drop_ids(ng), "speedup": ng["tokens_per_s"] / plain["tokens_per_s"]}
     log("ngram g4:", R["ngram_batch1_g4"])

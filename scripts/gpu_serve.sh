@@ -14,4 +14,5 @@ nvidia-smi --query-gpu=name --format=csv
 n=$(nvidia-smi -L | wc -l)
 python3 -m cluster.bench.serve_bench --out "${OUT:-.}" --gpus "$n" --repeats 2 --new-tokens 128 \
   --target "${TARGET:-demo-8b-target}" --draft "${DRAFT:-demo-8b-draft}" --dtype "${DTYPE:-bfloat16}" \
+  --modes "${MODES:-local,colocated,disaggregated,disaggregated_handle}" --look-ahead "${LOOK_AHEAD:-on}" \
   $([ "${DTYPE:-bfloat16}" = bfloat16 ] && echo --compile) 2>&1 | grep -v "INFO\|WARN" | tee "${OUT:-.}/serve_bench.log"

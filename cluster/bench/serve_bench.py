@@ -72,7 +72,7 @@ def _step_split(before: dict, after: dict) -> dict:
 
 def _base(args) -> dict:
     return {"models": {"device": args.device, "target": args.target, "draft": args.draft, "dtype": args.dtype},
-            "engine": {"max_num_seqs": 8, "compile": args.compile}}
+            "engine": {"max_num_seqs": 8, "compile": args.compile, "draft_look_ahead": args.look_ahead == "on"}}
 
 
 def _resources(args) -> dict:
@@ -131,6 +131,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", help="bfloat16 on Hopper (FA3)")
     ap.add_argument("--compile", action="store_true", help="engine.compile: the GPU fast path (Triton GEMV)")
     ap.add_argument("--modes", default="local,colocated,disaggregated,disaggregated_handle")
+    ap.add_argument("--look-ahead", choices=("on", "off"), default="on",
+                    help="engine.draft_look_ahead: a colocated GPU drafter drafts during the verify")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
     import ray

@@ -35,6 +35,7 @@ class EngineConfig:
     attention: str = "auto"         # auto | fa3 | sdpa
     cuda_graphs: bool = True        # capture decode/verify steps (FA3 on CUDA only)
     compile: bool = False           # torch.compile the elementwise kernels (CUDA only)
+    draft_look_ahead: bool = True   # a GPU model drafter drafts the next step during the verify
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "max_batch_tokens", "prefill_chunk", "block_size"):
