@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     b.set_xticks(list(x), [f"{n}\nacc {sd[n]['acceptance_rate']:.2f}" for n in names], fontsize=8)
     b.set(ylabel="tokens/s, batch 1", title=title)
     b.legend(fontsize=8)
-    sw = r["concurrency_sweep"]
+    sw = r.get("concurrency_sweep") or r.get("concurrency_sweep_partial", [])  # partial: a run cut short
     if len(argv or sys.argv[1:]) > 1:  # a separate sweep run (gpu_bench_sweep.json)
         sw = json.loads(Path((argv or sys.argv[1:])[1]).read_text())["concurrency_sweep"]
     c.plot([s["concurrency"] for s in sw], [s["off_tokens_per_s"] for s in sw], "o-", label="speculation off")

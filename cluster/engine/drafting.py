@@ -12,7 +12,10 @@ For a drafter in another process ("gated") a miss is not free: the replica serve
 order, so the fresh call queues behind the look-ahead one. Looking ahead there stays on only
 while its measured hit rate pays for that (above `min_hit_rate`), and is re-tried every
 `probe_every` steps. A drafter on its own CUDA stream ("free") drafts while the host would
-only wait for the verify pass, so it always looks ahead.
+only wait for the verify pass, so it looks ahead whenever it drafts a single row: on an H100
+(8B shape, gamma 4) that took batch-1 speculation from 396 to 445 tokens/s, while with 4
+rows it halved the speculative throughput and with 16 the run stalled (not yet understood;
+benchmarks/gpu/h100/gpu_bench_lookahead_all_rows.log).
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ class DraftPlanner:
                 groups.setdefault(s.drafter or self.default, []).append(b)
         for name, idx in groups.items():
             mode = self.drafters[name].look_ahead
-            if mode == "free" or (mode == "gated" and gated):
+            if (mode == "free" and len(idx) == 1) or (mode == "gated" and gated):
                 self._ask_ahead(name, idx, rows, out)
 
     @staticmethod

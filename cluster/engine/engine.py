@@ -184,7 +184,7 @@ class Engine:
             accepted = self._accept(seqs, out, [0] * len(seqs))
         else:
             if self.pipeline is not None:
-                self.pipeline.ahead = None
+                self.pipeline.interrupt()
             logits, hidden = self.runner.forward([s.slot for s in seqs], [s.num_cached for s in seqs], feeds,
                                                  last_only=False, trees=drafts.parents, hidden=True)
             self.planner.ask_ahead(rows, drafts)  # on a GPU the verify pass runs meanwhile

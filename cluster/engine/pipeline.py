@@ -10,7 +10,9 @@ The launched-ahead step assumes every row continues. When the next step's rows t
 different (a row finished or was aborted, a request arrived, drafts were asked for), its
 result is dropped: it only wrote K/V past each row's length, which nothing reads and the
 next real step overwrites. Greedy rows only: sampled rows draw from per-request CPU
-generators, so their next input is not known on the device.
+generators, so their next input is not known on the device. Nothing is launched ahead from
+the first plain step after a speculative one: a controller probing gamma 0 for one step
+would otherwise throw away a whole forward pass each time.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class DecodePipeline:
         self.host = torch.zeros((graphs.max_batch,), dtype=torch.int64, pin_memory=cuda)
         self.copied = torch.cuda.Event() if cuda else None  # this step's tokens are on the host
         self.hits = 0  # steps whose launch ahead was used
+        self.streak = 0  # plain steps in a row
+
+    def interrupt(self) -> None:
+        """A step ran another way (drafts, sampling): drop any launch ahead."""
+        self.ahead, self.streak = None, 0
 
     def eligible(self, seqs: list[Sequence]) -> bool:
         return self.graphs.eligible(len(seqs), 1) and all(s.params.greedy for s in seqs)
@@ -57,7 +64,8 @@ class DecodePipeline:
         host.copy_(tokens, non_blocking=self.copied is not None)
         if self.copied is not None:
             self.copied.record()
-        if launch_next:  # EOS and stop strings are not known yet: a finished row drops it
+        self.streak += 1
+        if launch_next and self.streak > 1:  # EOS and stop strings are not known yet: a finished row drops it
             logits = self.graphs.replay_next(tokens)
             self.ahead = _Ahead(tuple((s.seq_id, s.slot, s.num_cached + 1) for s in seqs),
                                 logits[:, 0].argmax(-1))

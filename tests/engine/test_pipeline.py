@@ -93,14 +93,17 @@ def test_pipelined_greedy_decoding_matches_plain_steps(engines):
 
 def test_launch_ahead_is_dropped_when_rows_change(engines):
     e = engines[1]
-    hits = e.pipeline.hits
-    a = e.add_request("one", SamplingParams(max_tokens=5, ignore_eos=True), SpecParams("off"))
+    e.pipeline.interrupt()  # as after a speculative step
+    a = e.add_request("one", SamplingParams(max_tokens=8, ignore_eos=True), SpecParams("off"))
     e.step()  # prefill
-    e.step()  # first decode step launches the next one ahead
+    e.step()  # the first plain step after an interruption launches nothing (a probe wastes no pass)
+    assert e.pipeline.ahead is None
+    e.step()  # the second launches the next one ahead
     assert e.pipeline.ahead is not None
+    hits = e.pipeline.hits
     e.abort(a)
     b = e.add_request("two", SamplingParams(max_tokens=3, ignore_eos=True), SpecParams("off"))
     while e.has_work:
         e.step()
-    assert e.pipeline.hits == hits + 1  # the second decode step of "two" only
+    assert e.pipeline.hits == hits + 1  # the second decode step of "two" only: "one"'s launch was dropped
     assert b not in e.seqs and e.kv.slots_used == 0
