@@ -1,0 +1,102 @@
+"""fused_linear (cluster/engine/gemv.py, the batch-1 decode projection) against the eager
+composition in model.py, on CPU through Triton's interpreter: every prologue, with and
+without bias and residual. Run by tests/engine/test_gemv.py in a process of its own, since
+Triton reads TRITON_INTERPRET once, when it is first imported:
+
+    TRITON_INTERPRET=1 GEMV_CONFIGS=one python tests/engine/gemv_check.py
+
+float32, not bfloat16: the interpreter keeps bf16 as raw uint16 and its tl.dot multiplies
+those bits as integers, so a bf16 run would test the interpreter. In fp32 only summation
+order differs from the eager path, and a wrong row or column mapping is far off 1e-4.
+GEMV_CONFIGS=one gives the kernel one config: the interpreter would otherwise run and time
+every autotune config. Exit 0: all cases match; 77: the interpreter cannot run here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+K, N, EPS = 256, 40, 1e-5  # N = 40: the last BLOCK_N = 16 tile is part masked
+
+
+def numpy24_index():
+    """Triton 3.6's interpreter turns a scalar into an int by int(1-element array), which
+    numpy >= 2.4 refuses (`range(K // BLOCK_K)` fails): the upstream fix
+    (triton-lang/triton#9171, #9172)."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def interpreter_works() -> bool:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _double(src, dst, n, BLOCK: tl.constexpr):
+        for i in range(0, n // BLOCK):  # a runtime loop bound, as the kernels have
+            r = i * BLOCK + tl.arange(0, BLOCK)
+            tl.store(dst + r, tl.load(src + r) * 2)
+
+    try:
+        src, dst = torch.arange(32, dtype=torch.float32), torch.zeros(32)
+        _double[(1,)](src, dst, 32, BLOCK=16)
+        return torch.equal(dst, src * 2)
+    except Exception as e:  # noqa: BLE001
+        print(f"triton cannot run in interpreter mode here: {e!r}")
+        return False
+
+
+def eager(model, x, w, bias, norm, silu, residual):
+    if norm is not None:
+        x = model.rms_norm(x, norm, EPS)
+    if silu:
+        x = model.silu_mul(x)
+    y = torch.nn.functional.linear(x, w, bias)
+    return y if residual is None else residual + y
+
+
+def main() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("GEMV_CONFIGS") == "one"
+    numpy24_index()
+    if not interpreter_works():
+        return 77
+    from cluster.engine import gemv, model
+
+    assert len(gemv._gemv.configs) == 1
+    cases = 0
+    for pro, bias, res in itertools.product(("none", "rmsnorm", "silu"), (False, True), (False, True)):
+        g = torch.Generator().manual_seed(len(pro) * 10 + bias * 2 + res)
+        x = torch.randn(1, 1, 2 * K if pro == "silu" else K, generator=g)
+        w = torch.randn(N, K, generator=g) / K ** 0.5
+        b = torch.randn(N, generator=g) if bias else None
+        nw = 1 + 0.1 * torch.randn(K, generator=g) if pro == "rmsnorm" else None
+        r = torch.randn(1, 1, N, generator=g) if res else None
+        y = gemv.fused_linear(x, w, b, nw, EPS, pro == "silu", r)
+        assert y.shape == (1, 1, N)
+        torch.testing.assert_close(y, eager(model, x, w, b, nw, pro == "silu", r), atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"{pro=} {bias=} {res=}: {m}")
+        cases += 1
+    try:
+        gemv.fused_linear(torch.randn(gemv.MAX_ROWS + 1, K), torch.randn(N, K))
+        raise SystemExit("more rows than the kernel takes were accepted")
+    except AssertionError:
+        pass
+    print(f"{cases} cases ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
