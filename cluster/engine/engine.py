@@ -36,11 +36,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def observation(batch: int, verify_tokens: int, verify_s: float, draft_s: float,
-                num_draft: list[int], num_acc: list[int]) -> StepObservation:
+                num_draft: list[int], num_acc: list[int], pipelined: bool = False) -> StepObservation:
     g = max(num_draft, default=0)
     return StepObservation(batch, g, verify_tokens, verify_s, draft_s, sum(num_draft),
                            [sum(a > j for a in num_acc) for j in range(g)],
-                           [sum(d > j for d in num_draft) for j in range(g)])
+                           [sum(d > j for d in num_draft) for j in range(g)], pipelined)
 
 
 class Engine:
@@ -67,13 +67,24 @@ class Engine:
         self.planner = DraftPlanner(self.drafters, default_drafter)
         self.eos = tokenizer.eos_token_id
         self.seqs: dict[str, Sequence] = {}
-        self.controller = None  # cluster.policy Controller for 'auto' requests; None: cfg.gamma
+        self._controller = None
         self.cluster_inflight = 0  # requests in flight cluster-wide, set by the serving layer
         self.on_verify: Callable[[object], None] | None = None  # StepObservation hook (metrics, autoscaling)
         self._ids = itertools.count()
         # draft_s / verify_s: seconds waiting for drafts / in verify passes (incl. acceptance)
         self.totals = {"steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0,
                        "draft_s": 0.0, "verify_s": 0.0}
+
+    @property
+    def controller(self):
+        """cluster.policy Controller for 'auto' requests; None: cfg.gamma."""
+        return self._controller
+
+    @controller.setter
+    def controller(self, ctrl) -> None:
+        self._controller = ctrl
+        if ctrl is not None and hasattr(ctrl, "plain_runs_ahead"):  # it prices gamma 0 by that
+            ctrl.plain_runs_ahead = self.pipeline is not None
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str | None = "model",
@@ -179,8 +190,10 @@ class Engine:
         drafts = self.planner.draft(rows)
         t1 = time.perf_counter()
         feeds = [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts.tokens)]
-        if self._pipelined(seqs, drafts):
+        pipelined = self._pipelined(seqs, drafts)
+        if pipelined:
             out = self.pipeline.step(seqs, launch_next=all(self._left(s) > 1 for s in seqs))
+            pipelined = self.pipeline.hit
             accepted = self._accept(seqs, out, [0] * len(seqs))
         else:
             if self.pipeline is not None:
@@ -198,7 +211,8 @@ class Engine:
         self.totals["draft_s"] += t1 - t0
         self.totals["verify_s"] += t2 - t1
         num_draft = [len(d) for d in drafts.tokens]
-        obs = observation(len(seqs), sum(map(len, feeds)), t2 - t1, t1 - t0, num_draft, [len(o) - 1 for o in out])
+        obs = observation(len(seqs), sum(map(len, feeds)), t2 - t1, t1 - t0, num_draft, [len(o) - 1 for o in out],
+                          pipelined)
         if self.controller:
             self.controller.observe(obs)
         if self.on_verify:

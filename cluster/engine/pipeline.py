@@ -39,6 +39,7 @@ class DecodePipeline:
         self.copied = torch.cuda.Event() if cuda else None  # this step's tokens are on the host
         self.hits = 0  # steps whose launch ahead was used
         self.streak = 0  # plain steps in a row
+        self.hit = False
 
     def interrupt(self) -> None:
         """A step ran another way (drafts, sampling): drop any launch ahead."""
@@ -53,7 +54,8 @@ class DecodePipeline:
         start the following step now (False where a row ends here by length)."""
         b = len(seqs)
         key = tuple((s.seq_id, s.slot, s.num_cached) for s in seqs)
-        if self.ahead is not None and self.ahead.key == key:
+        self.hit = self.ahead is not None and self.ahead.key == key  # this step was launched ahead
+        if self.hit:
             tokens, self.hits = self.ahead.tokens, self.hits + 1
         else:
             logits, _ = self.graphs.forward([s.slot for s in seqs], [s.num_cached for s in seqs],

@@ -27,6 +27,12 @@ The fits (cluster.policy.fit) span batch sizes, so costs measured at one concurr
 predict the next. Probe steps at other gammas (see GoodputController._probe) keep every
 term measured, and a switch needs `hysteresis` more expected goodput, so gamma does not
 flap on noise.
+
+Where the engine runs plain decoding a step ahead (`plain_runs_ahead`), a sustained plain
+step costs less than the lone plain steps that probes and dithers measure (its host work
+overlaps the next pass: ~2 ms of a 12 ms step at 64 streams on an H100). Pipelined steps
+therefore stay out of the fit and set a ratio of their cost to a lone step's, which scales
+the predicted cost of gamma 0; a probe at gamma 0 lasts three steps so the third runs ahead.
 """
 
 from __future__ import annotations
@@ -55,6 +61,9 @@ class StepObservation:
     drafted: int  # draft tokens proposed in total (sum of gamma_i)
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: seqs accepting j
     proposed_per_position: list[int] = field(default_factory=list)  # [j]: seqs proposing j
+    # A plain step launched while the one before it ran (cluster.engine.pipeline): its cost
+    # is what plain decoding costs once sustained, less than a lone plain step's.
+    pipelined: bool = False
 
     @classmethod
     def make_dummy(cls, batch_size: int = 4, gamma: int = 4) -> "StepObservation":
@@ -151,6 +160,9 @@ class GoodputController(_Base):
         self._probed_at = -1
         self._probe_again = None  # a probe up from 0 lasts two steps (see _probe)
         self._dithers = 0
+        self.plain_runs_ahead = False  # set by an engine whose plain steps run a step ahead
+        self._pipe = 1.0  # sustained over lone plain-step cost (EWMA of pipelined steps)
+        self._zero_hold = 0  # steps a gamma-0 probe still holds
         self._last = min(cfg.gamma, gmax)
         self._expected = self._expected_tokens()
 
@@ -164,6 +176,13 @@ class GoodputController(_Base):
         self._expected = self._expected_tokens()
         b = obs.batch_size
         extra = max(0, obs.verify_tokens - b - obs.drafted)
+        if obs.pipelined:  # not a lone step's cost: read as a ratio to one (see the docstring)
+            if self._verify.n >= self.cfg.min_observations:
+                lone = sum(t * x for t, x in zip(self._verify.coef(REFIT_EVERY), [1.0, b, extra, 0.0]))
+                if lone > 0:  # a few samples per probe cycle: a faster average than acceptance's
+                    self._pipe += max(a, 0.2) * (min(1.0, max(0.2, obs.verify_s / lone)) - self._pipe)
+            self._drafted_before = False
+            return
         drafting = obs.proposed_per_position[0] if obs.proposed_per_position else 0
         self._verify.add([1.0, b, obs.drafted + extra, drafting], obs.verify_s)
         self._prefill = (1 - a) * self._prefill + a * extra
@@ -197,7 +216,7 @@ class GoodputController(_Base):
             fixed, per_g = d0, dp + d1 * b
         else:  # prior: g sequential draft passes, each a fraction of a target pass
             fixed, per_g = 0.0, cfg.prior_draft_cost_ratio * base
-        out = [max(base, 1e-9)]
+        out = [max(base * self._pipe, 1e-9)]
         for g in range(1, cfg.gamma_max + 1):
             out.append(max(base + cj * b + c1 * b * g + fixed + per_g * g, 1e-9))
         return out
@@ -221,6 +240,9 @@ class GoodputController(_Base):
         if self._probe_again is not None:
             g, self._probe_again = self._probe_again, None
             return g
+        if self._zero_hold:
+            self._zero_hold -= 1
+            return 0
         every = cfg.explore_every
         if every and self._last == 0 and max(v[1:], default=0.0) >= 0.8 * v[0]:
             every = max(1, every // 4)
@@ -237,7 +259,10 @@ class GoodputController(_Base):
         turn = self._probes % 3
         if turn == 2 and self._last < cfg.gamma_max:
             return up
-        return self._last // 2 if turn == 1 else 0
+        if turn == 1:
+            return self._last // 2
+        self._zero_hold = 2 if self.plain_runs_ahead else 0
+        return 0
 
     def _dither(self) -> int:
         """One step in DITHER_EVERY at gamma-1 or gamma+1, in turn. Sitting at one gamma,
@@ -279,6 +304,7 @@ class GoodputController(_Base):
             "prefill_tokens": self._prefill,
             "steps": self._steps,
             "probes": self._probes,
+            "plain_sustained_over_lone": self._pipe,
         }
 
 

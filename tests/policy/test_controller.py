@@ -175,3 +175,41 @@ def test_controller_is_cheap(mode):
         ctrl.observe(obs)
     per_step_us = (time.perf_counter() - t) / n * 1e6
     assert per_step_us < 200, per_step_us  # microseconds; generous for slow CI machines
+
+
+class PipelinedSim(SimStep):
+    """As SimStep, for an engine that runs plain decoding a step ahead: from the second
+    plain step in a row a step is 'pipelined' and costs `pipe` times a lone one."""
+
+    def __init__(self, pipe: float, **kw):
+        super().__init__(**kw)
+        self.pipe, self.plain_run = pipe, 0
+
+    def __call__(self, b: int, g: int) -> StepObservation:
+        obs = super().__call__(b, g)
+        self.plain_run = self.plain_run + 1 if g == 0 else 0
+        if self.plain_run >= 3:  # the engine launches from the second plain step; the third uses it
+            obs.pipelined, obs.verify_s = True, obs.verify_s * self.pipe
+        return obs
+
+
+@pytest.mark.parametrize("runs_ahead", [False, True])
+def test_goodput_prices_plain_decoding_by_its_sustained_cost(runs_ahead):
+    # At batch 64 speculation (gamma 1) beats a lone plain step by ~14% but loses to plain decoding
+    # run ahead (25% cheaper): an engine that runs ahead must settle at 0, one that does not
+    # at gamma > 0. Pipelined steps appear only where gamma-0 probes hold for three steps.
+    ctrl = make_controller(SpeculationPolicyConfig(mode="goodput"))
+    ctrl.plain_runs_ahead = runs_ahead
+    sim = PipelinedSim(pipe=0.75 if runs_ahead else 1.0, accept=0.45, c0=0.009, c1=0.00004,
+                       d0=0.0005, d1=0.000005, seed=5)
+    run(ctrl, sim, batches=[64], steps=3000)
+    snap = ctrl.snapshot()
+    plain_s = 64 / ctrl.goodputs(64)[0]  # predicted seconds of a plain step at batch 64
+    lone_s = 0.009 + 0.00004 * 64
+    if runs_ahead:  # snapshot's gamma: the settled choice (a call to gamma() may be a probe)
+        assert snap["gamma"] == 0, snap
+        assert plain_s == pytest.approx(0.75 * lone_s, rel=0.05)
+        assert snap["plain_sustained_over_lone"] < 0.95
+    else:
+        assert snap["gamma"] > 0, snap
+        assert snap["plain_sustained_over_lone"] == 1.0
