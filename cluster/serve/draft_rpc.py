@@ -3,8 +3,8 @@
 The Drafter deployment runs a small gRPC server beside its Serve replica and tells callers
 its address through the Serve handle (`endpoint`); the verifier then sends each step's one
 draft call straight to it. Serve still places, scales, health-checks and replaces the
-replicas; only the per-step call skips Serve's request path, which costs ~2 ms a round trip
-against ~0.3 ms here (`python -m cluster.bench.hop_bench`, benchmarks/hop) on a decode step
+replicas; only the per-step call skips Serve's request path, which costs 2.5 ms a round trip
+against 0.56 ms here (`python -m cluster.bench.hop_bench`, benchmarks/hop) on a decode step
 of a few milliseconds.
 """
 
