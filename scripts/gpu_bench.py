@@ -39,8 +39,14 @@ DEMO = Path(__file__).resolve().parents[1] / "cluster" / "models" / "demo"
 T0 = time.time()
 
 
-def log(*a):
+def log(*a, R: dict | None = None):
+    """Print a result line; with R, also rewrite gpu_bench.json with everything so far, so a
+    run cut short (the device's 10-minute limit) keeps what it measured."""
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+    if R is not None and os.environ.get("SWEEP_ONLY") != "1":
+        os.makedirs(OUT, exist_ok=True)
+        with open(os.path.join(OUT, "gpu_bench.json"), "w") as f:
+            json.dump({**R, "partial": True}, f, indent=2)
 
 
 def decode_rate(engine, prompts, spec, drafter=None, new=256) -> dict:
@@ -100,13 +106,13 @@ def main() -> int:
     plain = decode_rate(engine, one, SpecParams("off"))
     R["plain_batch1"] = {**drop_ids(plain), "fraction_of_ceiling": plain["tokens_per_s"] / ceiling,
                          "steps_launched_ahead": (engine.pipeline.hits - hits) if engine.pipeline else 0}
-    log("plain batch 1:", R["plain_batch1"])
+    log("plain batch 1:", R["plain_batch1"], R=R)
     pipeline, engine.pipeline = engine.pipeline, None  # the same, each step launched after the last
     serial = decode_rate(engine, one, SpecParams("off"))
     engine.pipeline = pipeline
     R["plain_batch1_not_pipelined"] = {**drop_ids(serial), "fraction_of_ceiling": serial["tokens_per_s"] / ceiling,
                                        "same_tokens": serial["token_ids"] == plain["token_ids"]}
-    log("plain batch 1, not pipelined:", R["plain_batch1_not_pipelined"])
+    log("plain batch 1, not pipelined:", R["plain_batch1_not_pipelined"], R=R)
 
     run = engine.runner
     slot = engine.kv.allocate()
@@ -119,7 +125,7 @@ def main() -> int:
     R["verify_gamma4_over_decode"] = {"decode_ms": 1e3 * t_dec, "verify5_ms": 1e3 * t_ver[4], "ratio": t_ver[4] / t_dec}
     R["verify_ms_by_gamma"] = {g: 1e3 * t for g, t in t_ver.items()}
     engine.kv.free(slot)
-    log("verify/decode:", R["verify_gamma4_over_decode"], R["verify_ms_by_gamma"])
+    log("verify/decode:", R["verify_gamma4_over_decode"], R["verify_ms_by_gamma"], R=R)
 
     R["speculation_batch1"] = {}
     for gamma in (1, 2, 3, 4, 6):
@@ -145,10 +151,10 @@ def main() -> int:
     drafter.look_ahead = "free"
     R["look_ahead_g4"] = {"on_tokens_per_s": on["tokens_per_s"], "off_tokens_per_s": off["tokens_per_s"], **hits,
                           "same_tokens": on["token_ids"] == off["token_ids"] == plain["token_ids"]}
-    log("look-ahead g4:", R["look_ahead_g4"])
+    log("look-ahead g4:", R["look_ahead_g4"], R=R)
     ng = decode_rate(engine, one, SpecParams("fixed", 4), "ngram")
     R["ngram_batch1_g4"] = {**drop_ids(ng), "speedup": ng["tokens_per_s"] / plain["tokens_per_s"]}
-    log("ngram g4:", R["ngram_batch1_g4"])
+    log("ngram g4:", R["ngram_batch1_g4"], R=R)
 
     # attention only: the verify step (q = 5) at 8k context, batch 64
     s = target.shape
@@ -162,7 +168,7 @@ def main() -> int:
     t_fa3 = cuda_time(lambda: fa3(q, k, k, kc, vc, actx))
     t_sdpa = cuda_time(lambda: SdpaBackend()(q, k, k, kc, vc, actx))
     R["verify_attention_8k_b64"] = {"fa3_ms": 1e3 * t_fa3, "sdpa_ms": 1e3 * t_sdpa, "sdpa_over_fa3": t_sdpa / t_fa3}
-    log("attention 8k b64:", R["verify_attention_8k_b64"])
+    log("attention 8k b64:", R["verify_attention_8k_b64"], R=R)
     del kc, vc
 
     return sweep_only(engine, prompts, R)
@@ -190,7 +196,7 @@ def sweep_only(engine, prompts, R) -> int:
                       "goodput_tokens_per_s": auto["tokens_per_s"], "goodput_gamma": gamma,
                       "goodput_acceptance": auto["acceptance_rate"],
                       "ratio": auto["tokens_per_s"] / off["tokens_per_s"]})
-        log("sweep:", sweep[-1])
+        log("sweep:", sweep[-1], R={**R, "concurrency_sweep": sweep})
     R["concurrency_sweep"] = sweep
     return _write(R, "gpu_bench_sweep.json" if os.environ.get("SWEEP_ONLY") == "1" else "gpu_bench.json")
 

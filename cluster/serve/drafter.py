@@ -67,7 +67,7 @@ class DrafterDeployment:
                     r.k = 0
                 else:
                     r.token_ids = held[:start] + r.token_ids
-            return self.propose([r for r in requests], release, caller), resync
+            return self.propose(requests, release, caller), resync
 
     def release(self, seq_ids: list[str]) -> None:
         with self.lock:
