@@ -112,9 +112,11 @@ def run_grpc(address: str, application: str | None, prompts, concurrency: int, m
 def hf_baseline(target: str, draft: str | None, prompts, max_tokens: int) -> dict:
     """Hugging Face generate (and assisted generation with the draft model), single stream."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(target)
+    from cluster.engine.model import load_tokenizer
+
+    tok = load_tokenizer(target)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(dev).eval()

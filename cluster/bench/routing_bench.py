@@ -196,12 +196,12 @@ def main() -> None:
     args = ap.parse_args()
 
     import ray
-    from transformers import AutoTokenizer
+    from cluster.engine.model import load_tokenizer
 
     from cluster.kvdir.embedded import free_port, start_local_server
     from cluster.serve.launch import shutdown, start_serve
 
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
+    tok = load_tokenizer(resolve_model_path(args.model))
     prompts = system_prompts(tok, args.system_prompts, args.prompt_tokens)
     reqs = workload(len(prompts), args.per_prompt, seed=1)
     url, stop = start_local_server()

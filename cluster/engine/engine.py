@@ -21,7 +21,7 @@ from cluster.engine.drafter import DraftOutput, Drafter
 from cluster.engine.drafting import DraftPlanner
 from cluster.engine.hashing import model_seed
 from cluster.engine.kv_cache import KVCache
-from cluster.engine.model import CausalLM, compile_kernels, load_model
+from cluster.engine.model import CausalLM, compile_kernels, load_model, load_tokenizer
 from cluster.engine.pipeline import DecodePipeline
 from cluster.engine.runner import Runner
 from cluster.engine.sampling import InvalidRequest, SamplingParams, rejection_sample, target_probs
@@ -89,8 +89,6 @@ class Engine:
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str | None = "model",
                         cfg: EngineConfig | None = None) -> "Engine":
-        from transformers import AutoTokenizer
-
         from cluster.engine.drafter import ModelDrafter, NgramDrafter
 
         cfg = cfg or EngineConfig()
@@ -104,7 +102,7 @@ class Engine:
             drafters["model"] = ModelDrafter(dm, cfg.max_num_seqs * 2, cfg.max_model_len, cfg.gamma_max)
         if drafter is not None and drafter not in drafters:
             raise ValueError(f"unknown drafter {drafter!r} (available: {', '.join(drafters)})")
-        tok = AutoTokenizer.from_pretrained(target)
+        tok = load_tokenizer(target)
         return cls(model, tok, cfg, drafters, drafter, identity=str(Path(target).resolve().name))
 
     # ---- requests ------------------------------------------------------------------

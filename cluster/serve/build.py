@@ -6,7 +6,7 @@ from cluster.config import ClusterConfig, resolve_model_path
 from cluster.engine.drafter import Drafter, ModelDrafter, NgramDrafter
 from cluster.engine.engine import DTYPES, Engine
 from cluster.engine.medusa import HEADS_FILE, MedusaDrafter, has_heads
-from cluster.engine.model import compile_kernels, load_model
+from cluster.engine.model import compile_kernels, load_model, load_tokenizer
 
 
 def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
@@ -21,8 +21,6 @@ def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
 def build_engine(cfg: ClusterConfig, remote_drafter: Drafter | None = None) -> Engine:
     """The target engine with an n-gram drafter always, and the model drafter either
     in-process (colocated) or as `remote_drafter` (disaggregated)."""
-    from transformers import AutoTokenizer
-
     from cluster.policy.controller import make_controller
 
     ec = cfg.engine_config()
@@ -34,7 +32,7 @@ def build_engine(cfg: ClusterConfig, remote_drafter: Drafter | None = None) -> E
     default = None if cfg.models.drafter == "none" else cfg.models.drafter
     if default == "medusa" and not has_heads(target):
         raise ValueError(f"drafter 'medusa' needs {HEADS_FILE} in {target} (spec-cluster models train-medusa)")
-    engine = Engine(model, AutoTokenizer.from_pretrained(target), ec, drafters, default, identity=cfg.models.target)
+    engine = Engine(model, load_tokenizer(target), ec, drafters, default, identity=cfg.models.target)
     if has_heads(target):  # Medusa runs in the verifier: it reads the engine's hidden states
         engine.drafters["medusa"] = MedusaDrafter.load(engine, target)
     engine.controller = make_controller(cfg.speculation)

@@ -29,11 +29,10 @@ log = logging.getLogger(__name__)
 @serve.deployment(name="Drafter")
 class DrafterDeployment:
     def __init__(self, config: dict):
-        from cluster.config import ClusterConfig
-        from cluster.serve.build import build_model_drafter
-
         import ray
 
+        from cluster.config import ClusterConfig
+        from cluster.serve.build import build_model_drafter
         from cluster.serve.draft_rpc import serve_drafting
 
         cfg = ClusterConfig.model_validate(config)
@@ -68,10 +67,6 @@ class DrafterDeployment:
                 else:
                     r.token_ids = held[:start] + r.token_ids
             return self.propose(requests, release, caller), resync
-
-    def release(self, seq_ids: list[str]) -> None:
-        with self.lock:
-            self._forget(seq_ids)
 
     def endpoint(self) -> str:
         """Where this replica takes direct draft calls ("host:port")."""

@@ -71,12 +71,11 @@ def _finish(msg, spec: dict, timing: dict, reason: str):
 @serve.deployment(name="Router")
 class Router:
     def __init__(self, config: dict, verifier, board=None):
-        from transformers import AutoTokenizer
-
         from cluster.config import ClusterConfig, resolve_model_path
+        from cluster.engine.model import load_tokenizer
 
         self.cfg = ClusterConfig.model_validate(config)
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(self.cfg.models.target))
+        self.tokenizer = load_tokenizer(resolve_model_path(self.cfg.models.target))
         self.verifier, self.board = verifier, board
         self.api_keys = _api_keys(self.cfg.router)
         self.inflight = 0

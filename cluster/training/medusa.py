@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.medusa import CONFIG_FILE, MedusaHeads, sparse_tree
-from cluster.engine.model import load_model
+from cluster.engine.model import load_model, load_tokenizer
 from cluster.engine.runner import Runner
 
 DEMO_TARGET = Path(__file__).resolve().parents[1] / "models" / "demo" / "target"
@@ -172,8 +172,6 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from transformers import AutoTokenizer
-
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -181,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(args.target, torch.float32, "cpu")
     for p in model.parameters():
         p.requires_grad_(False)  # frozen: only the heads learn
-    tok = AutoTokenizer.from_pretrained(args.target)
+    tok = load_tokenizer(args.target)
     K, lm_head = args.heads, model.lm_head.weight
     n_greedy = round(args.prompts * args.greedy_share)
     prompts = prompt_windows("train", args.prompts, args.prompt_len, tok, args.seed)

@@ -65,3 +65,14 @@ def test_embed_json_directory_loads_through_load_model(demo_pair, tmp_path):
     big = load_model(tmp_path, torch.float32, "cpu")
     assert big.shape.hidden == 512
     assert torch.allclose(_logits(small, PROMPT), _logits(big, PROMPT)[:, :4096], atol=1e-4)
+
+
+def test_embedded_model_directory_uses_its_sources_tokenizer():
+    """demo-8b-* hold only embed.json: the tokenizer is the demo pair's, read through it."""
+    from cluster.config import resolve_model_path
+    from cluster.engine.model import load_tokenizer
+
+    text = "def fibonacci(n):\n    return n"
+    big = load_tokenizer(resolve_model_path("demo-8b-target"))
+    assert big.encode(text) == load_tokenizer(resolve_model_path("demo-target")).encode(text)
+    assert big.eos_token_id is not None
