@@ -190,10 +190,11 @@ def sweep_only(engine, prompts, R) -> int:
         engine.controller = controller
         decode_rate(engine, ps, SpecParams("auto"), new=128)  # let the controller measure
         auto = decode_rate(engine, ps, SpecParams("auto"), new=128)
-        gamma = engine.controller.snapshot().get("gamma")
+        snap = engine.controller.snapshot()
         engine.controller = None
         sweep.append({"concurrency": c, "off_tokens_per_s": off["tokens_per_s"],
-                      "goodput_tokens_per_s": auto["tokens_per_s"], "goodput_gamma": gamma,
+                      "goodput_tokens_per_s": auto["tokens_per_s"], "goodput_gamma": snap["gamma"],
+                      "measured_over_model": snap.get("measured_over_model"),
                       "goodput_acceptance": auto["acceptance_rate"],
                       "ratio": auto["tokens_per_s"] / off["tokens_per_s"]})
         log("sweep:", sweep[-1], R={**R, "concurrency_sweep": sweep})

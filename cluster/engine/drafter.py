@@ -27,7 +27,10 @@ from cluster.engine.runner import Runner
 from cluster.engine.sampling import SamplingParams, target_probs
 
 TOPK = 32  # support kept for sampled proposals; greedy proposals are one-hot
-CATCHUP = 16  # rows with more new tokens than this (cache misses) are prefilled one by one
+CATCHUP = 16  # rows with at most this many new tokens catch up in one (graphed) pass
+CATCHUP_TOKENS = 8192  # longer rows (new sequences, a return from plain decoding) go in padded
+                       # passes of similar lengths up to this many tokens: one by one, 64 rows
+                       # back from plain decoding cost a drafter pass each
 
 
 @dataclass
@@ -245,10 +248,15 @@ class ModelDrafter(Drafter):
 
 
     def _catch_up(self, slots, lens, feed) -> torch.Tensor:
-        short = [b for b, f in enumerate(feed) if len(f) <= CATCHUP]
-        groups = ([short] if short else []) + [[b] for b, f in enumerate(feed) if len(f) > CATCHUP]
+        groups = [[b for b, f in enumerate(feed) if len(f) <= CATCHUP]]
+        cap = self.kv.capacity
+        for b in sorted((b for b, f in enumerate(feed) if len(f) > CATCHUP), key=lambda b: len(feed[b])):
+            g, n = groups[-1], len(feed[b])  # rows sorted by length: b's is the group's width
+            if len(groups) == 1 or (len(g) + 1) * n > CATCHUP_TOKENS or max(lens[x] for x in g + [b]) + n > cap:
+                groups.append([])
+            groups[-1].append(b)
         logits = None
-        for rows in groups:
+        for rows in filter(None, groups):
             part = self.runner.forward([slots[b] for b in rows], [lens[b] for b in rows],
                                        [feed[b] for b in rows], last_only=True)
             if logits is None:

@@ -28,11 +28,20 @@ predict the next. Probe steps at other gammas (see GoodputController._probe) kee
 term measured, and a switch needs `hysteresis` more expected goodput, so gamma does not
 flap on noise.
 
-Where the engine runs plain decoding a step ahead (`plain_runs_ahead`), a sustained plain
-step costs less than the lone plain steps that probes and dithers measure (its host work
-overlaps the next pass: ~2 ms of a 12 ms step at 64 streams on an H100). Pipelined steps
-therefore stay out of the fit and set a ratio of their cost to a lone step's, which scales
-the predicted cost of gamma 0; a probe at gamma 0 lasts three steps so the third runs ahead.
+The model is only as good as its features, and a step's cost is not linear in them: on an
+H100 a verify pass is flat until its tokens fill the tensor cores, a draft pass at 64 rows
+costs three times what a per-pass reading learnt at 16 rows says, and plain decoding run a
+step ahead (`plain_runs_ahead`) costs less than the lone plain steps the fit sees. With one
+controller over a rising load that run kept gamma at 8 at 64 streams and made 0.69 of plain
+decoding's throughput (benchmarks/gpu/h100/run3). So measurements correct the model where
+it is used: per batch-size bucket (powers of two) an EWMA of measured over modelled step
+time, one for plain steps run ahead (their sustained cost; lone plain steps are what the
+fit models) and one for speculative steps, scales the model's times for that bucket.
+The model still shapes the choice among gammas; the correction sets the level, and the
+choice between speculating and not rests on steps measured at this load. A correction
+older than MEASURED_FOR steps lapses; speculating in a bucket whose plain cost is not
+measured triggers a gamma-0 probe (three steps where plain decoding runs ahead, so the
+third is a pipelined one).
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ from cluster.policy.fit import CostFit
 
 REFIT_EVERY = 4  # steps between cost re-fits on the hot path (the costs drift slowly)
 DITHER_EVERY = 4  # every 4th step runs at gamma +-1 (see GoodputController._dither)
+MEASURED_FOR = 256  # steps a bucket's measured/modelled correction stays in force
+CORRECT_ALPHA = 0.1  # EWMA weight of a step in a correction (its first step sets it)
 
 
 @dataclass
@@ -161,8 +172,10 @@ class GoodputController(_Base):
         self._probe_again = None  # a probe up from 0 lasts two steps (see _probe)
         self._dithers = 0
         self.plain_runs_ahead = False  # set by an engine whose plain steps run a step ahead
-        self._pipe = 1.0  # sustained over lone plain-step cost (EWMA of pipelined steps)
+        # (bucket, speculative) -> [measured over modelled step time, step of the last sample]
+        self._measured: dict[tuple[int, bool], list[float]] = {}
         self._zero_hold = 0  # steps a gamma-0 probe still holds
+        self._zero_probed: dict[int, int] = {}  # bucket -> step of its last measuring probe
         self._last = min(cfg.gamma, gmax)
         self._expected = self._expected_tokens()
 
@@ -176,21 +189,44 @@ class GoodputController(_Base):
         self._expected = self._expected_tokens()
         b = obs.batch_size
         extra = max(0, obs.verify_tokens - b - obs.drafted)
-        if obs.pipelined:  # not a lone step's cost: read as a ratio to one (see the docstring)
-            if self._verify.n >= self.cfg.min_observations:
-                lone = sum(t * x for t, x in zip(self._verify.coef(REFIT_EVERY), [1.0, b, extra, 0.0]))
-                if lone > 0:  # a few samples per probe cycle: a faster average than acceptance's
-                    self._pipe += max(a, 0.2) * (min(1.0, max(0.2, obs.verify_s / lone)) - self._pipe)
+        drafting = obs.proposed_per_position[0] if obs.proposed_per_position else 0
+        spec = obs.drafted > 0
+        # Plain steps are corrected only where they run ahead (pipelined: the sustained cost);
+        # lone ones are what the fit models, and a correction from the few of them probes
+        # make would be noise. A drafting step after plain ones pays the drafter's catch-up.
+        if (obs.pipelined or spec) and (self._drafted_before or not spec):
+            self._correct(b, spec, obs.verify_s + obs.draft_s, obs.drafted / b, extra)
+        if obs.pipelined:  # not a lone step's cost: the fit models lone steps
             self._drafted_before = False
             return
-        drafting = obs.proposed_per_position[0] if obs.proposed_per_position else 0
         self._verify.add([1.0, b, obs.drafted + extra, drafting], obs.verify_s)
         self._prefill = (1 - a) * self._prefill + a * extra
-        if obs.drafted > 0 and self._drafted_before:
+        if spec and self._drafted_before:
             # The first drafting step after plain ones pays the drafter's catch-up over
             # every token it missed: a cost of switching, not of drafting at this gamma.
             self._draft.add([1.0, obs.gamma, obs.drafted], obs.draft_s)
-        self._drafted_before = obs.drafted > 0
+        self._drafted_before = spec
+
+    def _correct(self, b: int, spec: bool, seconds: float, g: float, prefill: float) -> None:
+        """Fold one measured step into its bucket's measured/modelled correction."""
+        if self._verify.n < 4 * self.cfg.min_observations:  # the fit still moves a lot: nothing to correct yet
+            return
+        model = self._model_times(b, [g], prefill)[0]
+        if model <= 0.0:
+            return
+        x = min(4.0, max(0.25, seconds / model))  # one stalled step moves it a bounded amount
+        key = (b.bit_length(), spec)
+        m = self._measured.get(key)
+        if m is None or self._steps - m[1] > MEASURED_FOR:
+            self._measured[key] = [x, self._steps]
+        else:
+            m[0] += CORRECT_ALPHA * (x - m[0])
+            m[1] = self._steps
+
+    def _correction(self, b: float, spec: bool) -> float | None:
+        """The bucket's measured/modelled step time; None where it has no recent steps."""
+        m = self._measured.get((int(b).bit_length(), spec))
+        return m[0] if m is not None and self._steps - m[1] <= MEASURED_FOR else None
 
     def acceptance(self) -> list[float]:
         """Per-position conditional acceptance (cluster.policy.acceptance)."""
@@ -206,20 +242,24 @@ class GoodputController(_Base):
         return out
 
     # --- deciding -------------------------------------------------------------
-    def _step_times(self, b: float) -> list[float]:
-        """Predicted step seconds at batch b for g = 0..gamma_max (one pass: called per step)."""
+    def _model_times(self, b: float, gammas, prefill: float) -> list[float]:
+        """Modelled seconds of a lone step at batch b for each g in `gammas` (uncorrected)."""
         cfg = self.cfg
         c0, cr, c1, cj = self._verify.coef(REFIT_EVERY)
-        base = c0 + cr * b + c1 * self._prefill
+        base = c0 + cr * b + c1 * prefill
         if self._draft.n >= cfg.min_observations:
             d0, dp, d1 = self._draft.coef(REFIT_EVERY)
             fixed, per_g = d0, dp + d1 * b
         else:  # prior: g sequential draft passes, each a fraction of a target pass
             fixed, per_g = 0.0, cfg.prior_draft_cost_ratio * base
-        out = [max(base * self._pipe, 1e-9)]
-        for g in range(1, cfg.gamma_max + 1):
-            out.append(max(base + cj * b + c1 * b * g + fixed + per_g * g, 1e-9))
-        return out
+        return [base + (cj * b + c1 * b * g + fixed + per_g * g if g else 0.0) for g in gammas]
+
+    def _step_times(self, b: float) -> list[float]:
+        """Predicted step seconds at batch b for g = 0..gamma_max (one pass: called per step):
+        the model, scaled by the bucket's measured corrections."""
+        t = self._model_times(b, range(self.cfg.gamma_max + 1), self._prefill)
+        plain, spec = self._correction(b, False) or 1.0, self._correction(b, True) or 1.0
+        return [max(x * (spec if g else plain), 1e-9) for g, x in enumerate(t)]
 
     def goodputs(self, b: float) -> list[float]:
         """Expected tokens per second at batch b for g = 0..gamma_max under the current model."""
@@ -230,7 +270,7 @@ class GoodputController(_Base):
             return [e[g] / (1.0 + r * g) for g in range(len(e))]
         return [b * eg / t for eg, t in zip(e, self._step_times(b))]
 
-    def _probe(self, v: list[float]) -> int | None:
+    def _probe(self, v: list[float], b: float) -> int | None:
         """Every `explore_every` steps one step at another gamma (0, half, higher, in turn):
         the cost fit needs gammas far apart to see the slope and the step at 0, and
         acceptance is only measured where drafts are made. At gamma 0 with speculation
@@ -243,6 +283,15 @@ class GoodputController(_Base):
         if self._zero_hold:
             self._zero_hold -= 1
             return 0
+        k = int(b).bit_length()
+        if (self.plain_runs_ahead and self._last and self._correction(b, False) is None
+                and self._steps - self._zero_probed.get(k, -MEASURED_FOR) > MEASURED_FOR):
+            # Speculating where plain decoding's cost at this load is only modelled: measure
+            # it (once per MEASURED_FOR steps: plain steps of sampled rows never run ahead).
+            self._zero_probed[k] = self._steps
+            self._zero_hold = 2
+            self._probes += 1
+            return 0
         every = cfg.explore_every
         if every and self._last == 0 and max(v[1:], default=0.0) >= 0.8 * v[0]:
             every = max(1, every // 4)
@@ -250,11 +299,14 @@ class GoodputController(_Base):
             return None
         self._probed_at = self._steps
         self._probes += 1
-        up = min(cfg.gamma_max, max(self._last + 2, cfg.gamma))
         if self._last == 0:
-            # Twice: the first step's drafts pay the drafter's catch-up (not fitted).
+            # The best speculative gamma as predicted (at high load a short one: a probe at
+            # the configured gamma would cost several plain steps), twice: the first step's
+            # drafts pay the drafter's catch-up (not fitted).
+            up = max(range(1, len(v)), key=v.__getitem__) if len(v) > 1 else 0
             self._probe_again = up or None
             return up or None
+        up = min(cfg.gamma_max, max(self._last + 2, cfg.gamma))
         # Dithering by one alone measures the slope poorly (see the docstring).
         turn = self._probes % 3
         if turn == 2 and self._last < cfg.gamma_max:
@@ -280,8 +332,9 @@ class GoodputController(_Base):
             v = self.goodputs(1)
             self._last = cfg.gamma if v[cfg.gamma] > v[0] else 0
             return self._last
-        v = self.goodputs(max(1.0, self.concurrency(batch_size, cluster_inflight)))
-        probe = self._probe(v)
+        c = max(1.0, self.concurrency(batch_size, cluster_inflight))
+        v = self.goodputs(c)
+        probe = self._probe(v, c)
         if probe is not None:
             return probe
         if self._last and self._steps % DITHER_EVERY == DITHER_EVERY - 1:
@@ -304,7 +357,10 @@ class GoodputController(_Base):
             "prefill_tokens": self._prefill,
             "steps": self._steps,
             "probes": self._probes,
-            "plain_sustained_over_lone": self._pipe,
+            # per bucket of batch sizes (its smallest): measured over modelled step time
+            "measured_over_model": {f"{1 << (k - 1)}{'/spec' if sp else '/plain'}": round(m[0], 3)
+                                    for (k, sp), m in sorted(self._measured.items())
+                                    if self._steps - m[1] <= MEASURED_FOR},
         }
 
 

@@ -215,3 +215,23 @@ def test_early_exit_self_drafter_is_lossless(random_models, tokenizer, baseline)
     sampled = e.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0.9, seed=3), SpecParams("fixed", 3),
                          "early-exit")
     assert all(len(r["token_ids"]) > 0 for r in sampled) and e.kv.slots_used == 0
+
+
+def test_model_drafter_batched_catch_up_matches_one_row_at_a_time(random_models, tokenizer):
+    """Rows with many new tokens (new sequences, a return from plain decoding) catch up in
+    padded passes of similar lengths: the same drafts as each row alone, incl. a group split
+    by slot capacity (a long cached row beside a long new one)."""
+    from cluster.engine.drafter import DraftRequest
+
+    draft = load_model(random_models["llama_draft"], torch.float32, "cpu")
+    prompts = [tokenizer.encode(p) for p in PROMPTS] + [list(range(3, 200)), list(range(40, 70))]
+    together, alone = ModelDrafter(draft, 8, 256), ModelDrafter(draft, 8, 256)
+    ids = list(prompts)
+    for extra in (0, 40):  # a first call (prefill), then 40 tokens more per row
+        ids = [p + [(7 * i + j) % 250 for j in range(extra)] for i, p in enumerate(ids)]
+        reqs = [DraftRequest(f"s{i}", p[:250], 4) for i, p in enumerate(ids)]
+        if extra:  # a new 100-token row: padded beside the 197 cached tokens of s4 it would overrun the slot
+            reqs.append(DraftRequest("new", list(range(100, 200)), 4))
+        got = together.propose(reqs).tokens
+        want = [alone.propose([r]).tokens[0] for r in reqs]
+        assert got == want and all(len(t) == 4 for t in got)
