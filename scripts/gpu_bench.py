@@ -10,7 +10,8 @@ every weight of the 8B shape is read each step, the function is the demo target'
    measured acceptance, speedup over plain decoding, and the ideal
    E[N] * t_target / (t_target + gamma * t_draft) from the measured parts;
 4. FA3 against SDPA on the verify step's attention at 8k context, batch 64;
-5. a concurrency sweep, plain decoding against the goodput controller (warm-up per level).
+5. a concurrency sweep (c requests kept in flight), plain decoding and gamma 4 against the
+   goodput controller (warm-up per level).
 """
 
 from __future__ import annotations
@@ -175,29 +176,47 @@ def main() -> int:
 
 
 def sweep_only(engine, prompts, R) -> int:
+    """Throughput at concurrency c: c requests in flight, each finished one replaced by the
+    next (as `spec-cluster bench` and serving benchmarks count it), over 4c requests of 128
+    tokens (at least 8), for plain decoding, gamma 4 and the goodput controller. Waiting for
+    a whole batch to finish instead would time the stragglers: rows accept at different
+    rates, so with speculation the last few run alone for many steps."""
+    from cluster.bench.load import run_engine, summarise
+
     if os.environ.get("SKIP_SWEEP") == "1":
         return _write(R, "gpu_bench.json")
     # One controller for the whole ramp, as in a server whose load rises: what it learnt at
     # low concurrency (acceptance, cost per token) carries over; each level warms it up.
     sweep, controller = [], make_controller(SpeculationPolicyConfig(mode="goodput"))
-    for c in (1, 4, 16, 64):
+    for c in map(int, os.environ.get("SWEEP_LEVELS", "1,4,16,64").split(",")):
         if time.time() - T0 > 480:
             log("time budget reached; sweep stops at", c)
             break
-        ps = prompts[:c]
-        decode_rate(engine, ps, SpecParams("off"), new=16)  # warm-up: this level's graphs
-        off = decode_rate(engine, ps, SpecParams("off"), new=128)
+        reqs = [prompts[i % len(prompts)] for i in range(max(8, 4 * c))]
+        rate = lambda spec, n=len(reqs): summarise(*run_engine(engine, reqs[:n], c, 128, spec))  # noqa: E731
+        rate(SpecParams("off"), c)  # warm-up: this level's graphs
+        off = rate(SpecParams("off"))
+        rate(SpecParams("fixed", 4), c)
+        fixed = rate(SpecParams("fixed", 4))
         engine.controller = controller
-        decode_rate(engine, ps, SpecParams("auto"), new=128)  # let the controller measure
-        auto = decode_rate(engine, ps, SpecParams("auto"), new=128)
+        rate(SpecParams("auto"), 2 * c)  # let the controller measure this level
+        trace: list = []  # per verify step: its end (ms from the first), rows, gamma, drafted, pipelined, ms
+        engine.on_verify = lambda o: trace.append([time.perf_counter(), o.batch_size, o.gamma, o.drafted,
+                                                   int(o.pipelined), round(1e3 * o.verify_s, 2), round(1e3 * o.draft_s, 2)])
+        auto = rate(SpecParams("auto"))
+        engine.on_verify = None
+        for row in trace[::-1]:
+            row[0] = round(1e3 * (row[0] - trace[0][0]), 2)
         snap = engine.controller.snapshot()
         engine.controller = None
-        sweep.append({"concurrency": c, "off_tokens_per_s": off["tokens_per_s"],
+        sweep.append({"concurrency": c, "requests": len(reqs), "off_tokens_per_s": off["tokens_per_s"],
+                      "fixed4_tokens_per_s": fixed["tokens_per_s"], "fixed4_acceptance": fixed["acceptance_rate"],
                       "goodput_tokens_per_s": auto["tokens_per_s"], "goodput_gamma": snap["gamma"],
                       "measured_over_model": snap.get("measured_over_model"),
-                      "goodput_acceptance": auto["acceptance_rate"],
+                      "goodput_acceptance": auto["acceptance_rate"], "goodput_itl_ms_p50": auto["itl_ms_p50"],
+                      "off_itl_ms_p50": off["itl_ms_p50"], "trace": trace,
                       "ratio": auto["tokens_per_s"] / off["tokens_per_s"]})
-        log("sweep:", sweep[-1], R={**R, "concurrency_sweep": sweep})
+        log("sweep:", {k: v for k, v in sweep[-1].items() if k != "trace"}, R={**R, "concurrency_sweep": sweep})
     R["concurrency_sweep"] = sweep
     return _write(R, "gpu_bench_sweep.json" if os.environ.get("SWEEP_ONLY") == "1" else "gpu_bench.json")
 

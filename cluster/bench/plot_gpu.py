@@ -39,6 +39,8 @@ def main(argv=None) -> int:
     if len(argv or sys.argv[1:]) > 1:  # a separate sweep run (gpu_bench_sweep.json)
         sw = json.loads(Path((argv or sys.argv[1:])[1]).read_text())["concurrency_sweep"]
     c.plot([s["concurrency"] for s in sw], [s["off_tokens_per_s"] for s in sw], "o-", label="speculation off")
+    if sw and "fixed4_tokens_per_s" in sw[0]:
+        c.plot([s["concurrency"] for s in sw], [s["fixed4_tokens_per_s"] for s in sw], "^:", label="gamma 4")
     c.plot([s["concurrency"] for s in sw], [s["goodput_tokens_per_s"] for s in sw], "s--", label="goodput controller")
     c.set(xscale="log", xlabel="concurrent streams", ylabel="tokens/s", title="concurrency sweep")
     c.legend()

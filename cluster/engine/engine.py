@@ -184,6 +184,7 @@ class Engine:
         if not rows:
             return []
         seqs = [s for s, _ in rows]
+        graphs = self._graphs_captured()
         t0 = time.perf_counter()
         drafts = self.planner.draft(rows)
         t1 = time.perf_counter()
@@ -211,11 +212,17 @@ class Engine:
         num_draft = [len(d) for d in drafts.tokens]
         obs = observation(len(seqs), sum(map(len, feeds)), t2 - t1, t1 - t0, num_draft, [len(o) - 1 for o in out],
                           pipelined)
-        if self.controller:
+        if self.controller and self._graphs_captured() == graphs:
+            # a step that captured a CUDA graph (once per batch bucket and width, here or in
+            # the drafter) costs up to 50x a replay: not what speculating at this gamma costs
             self.controller.observe(obs)
         if self.on_verify:
             self.on_verify(obs)
         return accepted
+
+    def _graphs_captured(self) -> int:
+        runners = [self.runner] + [getattr(d, "runner", None) for d in self.drafters.values()]
+        return sum(len(r.graphs.graphs) for r in runners if getattr(r, "graphs", None) is not None)
 
     def _pipelined(self, seqs: list[Sequence], drafts: DraftOutput) -> bool:
         """Greedy plain decoding on CUDA graphs runs a step ahead (cluster.engine.pipeline);
