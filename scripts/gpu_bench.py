@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
 from pathlib import Path
@@ -100,6 +101,9 @@ def main() -> int:
     R["backend"], R["compiled_kernels"] = engine.backend, cfg.compile
     prompts = code_prompts(64, seed=11)
     one = prompts[:1]
+    R["prefill_ms"] = {f"{n}x{len(tok.encode(prompts[0]))}": prefill_ms(engine, [tok.encode(p) for p in prompts[:n]])
+                       for n in (1, 8)}
+    log("prefill (graph vs eager, wall ms):", R["prefill_ms"], R=R)
     if os.environ.get("SWEEP_ONLY") == "1":
         return sweep_only(engine, prompts, R)
     decode_rate(engine, one, SpecParams("off"), new=16)  # capture graphs, tune kernels
@@ -175,10 +179,34 @@ def main() -> int:
     return sweep_only(engine, prompts, R)
 
 
+def prefill_ms(engine, ids: list[list[int]]) -> dict:
+    """Wall ms of one prefill pass over these prompts (host work included), on its CUDA
+    graph and eagerly."""
+    run, slots = engine.runner, [engine.kv.allocate() for _ in ids]
+
+    def wall() -> float:
+        once = lambda: (run.forward(slots, [0] * len(ids), ids, last_only=True), torch.cuda.synchronize())  # noqa: E731
+        once()
+        times = []
+        for _ in range(10):
+            t = time.perf_counter()
+            once()
+            times.append(time.perf_counter() - t)
+        return 1e3 * sorted(times)[5]
+
+    graphed = wall()
+    graphs, run.graphs = run.graphs, None
+    eager = wall()
+    run.graphs = graphs
+    for s in slots:
+        engine.kv.free(s)
+    return {"graph_ms": graphed, "eager_ms": eager}
+
+
 def sweep_only(engine, prompts, R) -> int:
     """Throughput at concurrency c: c requests in flight, each finished one replaced by the
-    next (as `spec-cluster bench` and serving benchmarks count it), over 4c requests of 128
-    tokens (at least 8), for plain decoding, gamma 4 and the goodput controller. Waiting for
+    next (as `spec-cluster bench` and serving benchmarks count it), over 4c requests of 64 to
+    192 tokens (at least 8), for plain decoding, gamma 4 and the goodput controller. Waiting for
     a whole batch to finish instead would time the stragglers: rows accept at different
     rates, so with speculation the last few run alone for many steps."""
     from cluster.bench.load import run_engine, summarise
@@ -188,28 +216,39 @@ def sweep_only(engine, prompts, R) -> int:
     # One controller for the whole ramp, as in a server whose load rises: what it learnt at
     # low concurrency (acceptance, cost per token) carries over; each level warms it up.
     sweep, controller = [], make_controller(SpeculationPolicyConfig(mode="goodput"))
+    # Output lengths 64..192 (mean 128, the same list for every mode). With one length for
+    # all, plain decoding's requests finish in the same step and their successors prefill
+    # as one batch, while speculation's finish one by one, each a prefill step of its own:
+    # that measures the prefill schedule, not speculation (H100 run, 64 streams: 0.67 of
+    # plain with the controller speculating where its steps paid; benchmarks/gpu/h100/sweep_equal_lengths).
+    rng = random.Random(5)
+    fixed_len = int(os.environ.get("SWEEP_MAX_TOKENS", "0"))
+    lengths = [fixed_len or rng.randint(64, 192) for _ in range(256)]
     for c in map(int, os.environ.get("SWEEP_LEVELS", "1,4,16,64").split(",")):
         if time.time() - T0 > 480:
             log("time budget reached; sweep stops at", c)
             break
         reqs = [prompts[i % len(prompts)] for i in range(max(8, 4 * c))]
-        rate = lambda spec, n=len(reqs): summarise(*run_engine(engine, reqs[:n], c, 128, spec))  # noqa: E731
+        rate = lambda spec, n=len(reqs): summarise(*run_engine(engine, reqs[:n], c, lengths[:n], spec))  # noqa: E731
         rate(SpecParams("off"), c)  # warm-up: this level's graphs
         off = rate(SpecParams("off"))
         rate(SpecParams("fixed", 4), c)
-        fixed = rate(SpecParams("fixed", 4))
+        fixed = profiled(f"fixed4_c{c}", lambda: rate(SpecParams("fixed", 4)))  # PROFILE=1: slows it
         engine.controller = controller
         rate(SpecParams("auto"), 2 * c)  # let the controller measure this level
-        trace: list = []  # per verify step: its end (ms from the first), rows, gamma, drafted, pipelined, ms
+        # per verify step: its end (ms from the first), rows, gamma, drafted, pipelined, verify,
+        # draft and whole-step ms (StepObservation.step_s)
+        trace: list = []
         engine.on_verify = lambda o: trace.append([time.perf_counter(), o.batch_size, o.gamma, o.drafted,
-                                                   int(o.pipelined), round(1e3 * o.verify_s, 2), round(1e3 * o.draft_s, 2)])
+                                                   int(o.pipelined), round(1e3 * o.verify_s, 2),
+                                                   round(1e3 * o.draft_s, 2), round(1e3 * o.step_s, 2)])
         auto = rate(SpecParams("auto"))
         engine.on_verify = None
         for row in trace[::-1]:
             row[0] = round(1e3 * (row[0] - trace[0][0]), 2)
         snap = engine.controller.snapshot()
         engine.controller = None
-        sweep.append({"concurrency": c, "requests": len(reqs), "off_tokens_per_s": off["tokens_per_s"],
+        sweep.append({"concurrency": c, "requests": len(reqs), "max_tokens": "64..192" if not fixed_len else fixed_len, "off_tokens_per_s": off["tokens_per_s"],
                       "fixed4_tokens_per_s": fixed["tokens_per_s"], "fixed4_acceptance": fixed["acceptance_rate"],
                       "goodput_tokens_per_s": auto["tokens_per_s"], "goodput_gamma": snap["gamma"],
                       "measured_over_model": snap.get("measured_over_model"),
@@ -219,6 +258,22 @@ def sweep_only(engine, prompts, R) -> int:
         log("sweep:", {k: v for k, v in sweep[-1].items() if k != "trace"}, R={**R, "concurrency_sweep": sweep})
     R["concurrency_sweep"] = sweep
     return _write(R, "gpu_bench_sweep.json" if os.environ.get("SWEEP_ONLY") == "1" else "gpu_bench.json")
+
+
+def profiled(name: str, fn):
+    """fn(), under cProfile where PROFILE=1 (host time by function into $OUT/profile_<name>.txt)."""
+    if os.environ.get("PROFILE") != "1":
+        return fn()
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    out = prof.runcall(fn)
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(40)
+    Path(OUT, f"profile_{name}.txt").write_text(buf.getvalue())
+    return out
 
 
 def _write(R: dict, name: str) -> int:

@@ -62,15 +62,18 @@ def summarise(results: list[dict], wall: float) -> dict:
             "mean_accepted_len": (accepted + steps) / steps if steps else 1.0}
 
 
-def run_engine(engine, prompts, concurrency: int, max_tokens: int, spec) -> tuple[list[dict], float]:
-    """Keep `concurrency` requests in flight until every prompt is done."""
+def run_engine(engine, prompts, concurrency: int, max_tokens: int | list[int], spec) -> tuple[list[dict], float]:
+    """Keep `concurrency` requests in flight until every prompt is done; `max_tokens`: one
+    for all, or one per prompt."""
     from cluster.engine.sampling import SamplingParams
 
-    queue, live, done = list(prompts), {}, []
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    queue, live, done = list(zip(prompts, lengths)), {}, []
     t0 = time.perf_counter()
     while queue or live:
         while queue and len(live) < concurrency:
-            sid = engine.add_request(queue.pop(0), SamplingParams(max_tokens=max_tokens, ignore_eos=True), spec)
+            p, n = queue.pop(0)
+            sid = engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True), spec)
             live[sid] = {"token_ids": []}
         for o in engine.step():
             if o.seq_id in live:

@@ -58,7 +58,7 @@ class Engine:
         if cfg.compile and p.device.type == "cuda":
             compile_kernels()
         graph_width = cfg.gamma_max + 1 if cfg.cuda_graphs and p.device.type == "cuda" else 0
-        self.runner = Runner(model, self.kv, cfg.attention, graph_width)
+        self.runner = Runner(model, self.kv, cfg.attention, graph_width, cfg.prefill_chunk, cfg.max_batch_tokens)
         self.backend = model.backend.name
         self.pipeline = DecodePipeline(self.runner.graphs) if self.runner.graphs is not None else None
         self.scheduler = Scheduler(cfg, self.kv)
@@ -71,6 +71,7 @@ class Engine:
         self.cluster_inflight = 0  # requests in flight cluster-wide, set by the serving layer
         self.on_verify: Callable[[object], None] | None = None  # StepObservation hook (metrics, autoscaling)
         self._ids = itertools.count()
+        self._last_end: float | None = None  # end of the previous step, if it was a verify step
         # draft_s / verify_s: seconds waiting for drafts / in verify passes (incl. acceptance)
         self.totals = {"steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0,
                        "draft_s": 0.0, "verify_s": 0.0}
@@ -147,10 +148,32 @@ class Engine:
 
     # ---- the step ------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         self.totals["steps"] += 1
         chunks = self.scheduler.schedule_prefill()
-        touched = self._prefill(chunks) if chunks else self._verify()
-        return [self._output(s) for s in touched]
+        obs = None
+        if chunks:
+            touched = self._prefill(chunks)
+        else:
+            touched, obs = self._verify()
+        outs = [self._output(s) for s in touched]
+        end = time.perf_counter()
+        if obs is not None:
+            self._observe(obs, start, end)
+        self._last_end = end if obs is not None else None
+        return outs
+
+    def _observe(self, obs: StepObservation, start: float, end: float) -> None:
+        # A step's period runs from the end of the verify step before it, so the caller's work
+        # between steps counts (it is paid per step, and speculation saves steps). A prefill
+        # step in between, or a caller that idled longer than this step took, starts it afresh.
+        if self._last_end is not None and start - self._last_end < end - start:
+            start = self._last_end
+        obs.step_s = end - start
+        if self.controller and not obs.captured:
+            self.controller.observe(obs)
+        if self.on_verify:
+            self.on_verify(obs)
 
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
         seqs = [s for s, _ in chunks]
@@ -179,10 +202,10 @@ class Engine:
             out[s.seq_id] = max(0, min(g, self.cfg.gamma_max, self._left(s) - 1))
         return out
 
-    def _verify(self) -> list[Sequence]:
+    def _verify(self) -> tuple[list[Sequence], StepObservation | None]:
         rows = self.scheduler.schedule_verify(self._gammas())
         if not rows:
-            return []
+            return [], None
         seqs = [s for s, _ in rows]
         graphs = self._graphs_captured()
         t0 = time.perf_counter()
@@ -212,13 +235,10 @@ class Engine:
         num_draft = [len(d) for d in drafts.tokens]
         obs = observation(len(seqs), sum(map(len, feeds)), t2 - t1, t1 - t0, num_draft, [len(o) - 1 for o in out],
                           pipelined)
-        if self.controller and self._graphs_captured() == graphs:
-            # a step that captured a CUDA graph (once per batch bucket and width, here or in
-            # the drafter) costs up to 50x a replay: not what speculating at this gamma costs
-            self.controller.observe(obs)
-        if self.on_verify:
-            self.on_verify(obs)
-        return accepted
+        # a step that captured a CUDA graph (once per batch bucket and width, here or in the
+        # drafter) costs up to 50x a replay: not what speculating at this gamma costs
+        obs.captured = self._graphs_captured() != graphs
+        return accepted, obs
 
     def _graphs_captured(self) -> int:
         runners = [self.runner] + [getattr(d, "runner", None) for d in self.drafters.values()]

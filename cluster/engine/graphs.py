@@ -1,10 +1,17 @@
-"""CUDA graphs for the decode and verify steps (batch buckets x row widths, captured lazily).
+"""CUDA graphs for the decode, verify and prefill steps (batch buckets x row widths, captured lazily).
 
 A step of B rows of T tokens each (T = gamma + 1; 1 is plain decoding) replays a graph
 captured for (bucket(B), T). Padding rows point at a scratch slot, so they never touch a
 sequence's KV; rows shorter than T write a few positions past their length, which the slot's
 spare capacity absorbs and the next step overwrites. Only the FA3 backend is captured: its
 kernel reads lengths from a tensor, while SDPA slices the cache by a host-side length.
+
+Prefill chunks wider than a verify row replay graphs of power-of-two widths up to the chunk
+size, with hidden states only (the caller takes logits at each row's last token: all B*T
+would be gigabytes). Eagerly, a pass is ~130 launches of compiled pieces whose Python guards
+cost more than the GPU work of a short prompt: on an H100, 8B shape, a 120-token prompt
+took ~30 ms a step eagerly against ~7 ms of weight streaming, and with speculation at 64
+streams new requests arrive one at a time, each a prefill step all rows wait on.
 """
 
 from __future__ import annotations
@@ -19,8 +26,12 @@ log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
+def _bucket(batch: int) -> int:
+    return next(x for x in BUCKETS if x >= batch)
+
+
 class _Graph:
-    def __init__(self, model, kv, batch: int, width: int, pool, num_layers: int | None):
+    def __init__(self, model, kv, batch: int, width: int, pool, num_layers: int | None, logits: bool = True):
         dev = kv.k.device
         # ids, slots and lens in one buffer: a step's inputs are one copy from pinned memory
         n = batch * width
@@ -34,12 +45,13 @@ class _Graph:
         run = lambda: model(self.ids, *self._ctx(kv, width), num_layers)  # noqa: E731
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        head = model.logits if logits else (lambda h: None)
         with torch.cuda.stream(stream):
-            model.logits(run())  # warm-up allocations outside the graph
+            head(run())  # warm-up allocations outside the graph
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(self.graph, pool=pool):
             self.hidden = run()  # kept for drafters that read the target's hidden states (Medusa)
-            self.out = model.logits(self.hidden)
+            self.out = head(self.hidden)
 
     def _ctx(self, kv, width: int):
         ar = torch.arange(width, device=self.ids.device)
@@ -54,28 +66,48 @@ class _Graph:
 
 
 class GraphRunner:
-    def __init__(self, model, kv, max_width: int):
+    def __init__(self, model, kv, max_width: int, prefill_chunk: int = 0, max_tokens: int = 0):
         self.model, self.kv, self.max_width = model, kv, max_width
+        # prefill widths: powers of two from 16 below the chunk size, then the chunk size
+        # (a row padded to its width writes past its length; the spare capacity is a chunk)
+        self.prefill_widths = [w for w in (16, 32, 64, 128, 256, 512, 1024, 2048) if max_width < w < prefill_chunk]
+        if prefill_chunk > max_width:
+            self.prefill_widths.append(prefill_chunk)
+        self.max_tokens = max_tokens
         self.graphs: dict[tuple[int, int, int | None], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.max_batch, self.device = BUCKETS[-1], kv.k.device
         self.last: tuple[_Graph, int] | None = None  # the graph replayed last and its live rows
 
-    def eligible(self, batch: int, width: int) -> bool:
-        return width <= self.max_width and batch <= BUCKETS[-1]
+    def eligible(self, batch: int, width: int, last_only: bool = False) -> bool:
+        """A graph serves this step: verify widths always; prefill widths (hidden states
+        only, so `last_only` steps) up to max_tokens padded tokens."""
+        if batch > BUCKETS[-1]:
+            return False
+        if width <= self.max_width:
+            return True
+        w = self._width(width)
+        return last_only and w is not None and _bucket(batch) * w <= self.max_tokens
+
+    def _width(self, width: int) -> int | None:
+        if width <= self.max_width:
+            return width
+        return next((w for w in self.prefill_widths if w >= width), None)
 
     @torch.inference_mode()
     def forward(self, slots: list[int], cache_lens: list[int], tokens: list[list[int]],
                 num_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, T, V] logits and [B, T, D] hidden states (static buffers: read them before the
-        next replay); T = the longest row. `num_layers` < all: an early-exit pass."""
-        b, width = len(tokens), max(map(len, tokens))
-        bucket = next(x for x in BUCKETS if x >= b)
+        next replay); T = the longest row (a prefill width: its graph's T, and logits None).
+        `num_layers` < all: an early-exit pass."""
+        b, width = len(tokens), self._width(max(map(len, tokens)))
+        bucket = _bucket(b)
         key = (bucket, width, num_layers)
         g = self.graphs.get(key)
         if g is None:
             log.info("capturing CUDA graph for batch %d x width %d (layers %s)", bucket, width, num_layers or "all")
-            g = self.graphs[key] = _Graph(self.model, self.kv, bucket, width, self.pool, num_layers)
+            g = self.graphs[key] = _Graph(self.model, self.kv, bucket, width, self.pool, num_layers,
+                                          logits=width <= self.max_width)
         g.copied.synchronize()
         host = g.host.numpy()
         n = bucket * width
@@ -88,8 +120,9 @@ class GraphRunner:
         g.inputs.copy_(g.host, non_blocking=True)
         g.copied.record()
         g.graph.replay()
-        self.last = (g, b) if width == 1 and num_layers is None else None
-        return g.out[:b], g.hidden[:b]
+        if width <= self.max_width:  # a prefill pass between pipelined decode steps keeps `last`
+            self.last = (g, b) if width == 1 and num_layers is None else None
+        return (None if g.out is None else g.out[:b]), g.hidden[:b]
 
     @torch.inference_mode()
     def replay_next(self, tokens: torch.Tensor) -> torch.Tensor:

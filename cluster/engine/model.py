@@ -116,6 +116,8 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, 1, D/2] for the step's positions, gathered once for all layers."""
+        # padded positions of a graph's rows may run past the table; their outputs are unused
+        positions = positions.clamp(max=self.cos.shape[0] - 1)
         return self.cos[positions][:, :, None, :], self.sin[positions][:, :, None, :]
 
 

@@ -11,7 +11,8 @@ from cluster.engine.tree import tree_layout
 
 
 class Runner:
-    def __init__(self, model: CausalLM, kv: KVCache, attention: str = "auto", graph_width: int = 0):
+    def __init__(self, model: CausalLM, kv: KVCache, attention: str = "auto", graph_width: int = 0,
+                 prefill_chunk: int = 0, max_tokens: int = 0):
         self.model = model
         self.kv = kv
         p = next(model.parameters())
@@ -22,7 +23,7 @@ class Runner:
         if graph_width and model.backend.name == "fa3":  # decode/verify steps up to this width
             from cluster.engine.graphs import GraphRunner
 
-            self.graphs = GraphRunner(model, kv, graph_width)
+            self.graphs = GraphRunner(model, kv, graph_width, prefill_chunk, max_tokens)
 
     @torch.inference_mode()
     def forward(self, slots: list[int], cache_lens: list[int], tokens: list[list[int]],
@@ -37,11 +38,12 @@ class Runner:
         """
         q_lens = [len(t) for t in tokens]
         tree = trees is not None and any(t is not None for t in trees)
-        if self.graphs is not None and not tree and self.graphs.eligible(len(tokens), max(q_lens)):
+        if self.graphs is not None and not tree and self.graphs.eligible(len(tokens), max(q_lens), last_only):
             logits, h = self.graphs.forward(slots, cache_lens, tokens, num_layers)
             if last_only:
                 last = torch.arange(len(tokens), device=self.device), torch.tensor(q_lens, device=self.device) - 1
-                logits, h = logits[last], h[last]
+                h = h[last]
+                logits = self.model.logits(h) if logits is None else logits[last]  # None: a prefill graph
             return (logits, h) if hidden else logits
         ctx = AttnContext.build(slots, cache_lens, q_lens, self.device)
         if tree:

@@ -75,6 +75,12 @@ class StepObservation:
     # A plain step launched while the one before it ran (cluster.engine.pipeline): its cost
     # is what plain decoding costs once sustained, less than a lone plain step's.
     pipelined: bool = False
+    # Wall seconds of the whole step as the engine loop lives it: from the end of the step
+    # before (the caller's work in between included) through this step's outputs. Host work
+    # (accepting, detokenizing, streaming) hides behind the GPU in a pipelined plain step and
+    # adds to a speculative one; what throughput is made of. 0: not measured.
+    step_s: float = 0.0
+    captured: bool = False  # the step captured a CUDA graph: its time is not a step's cost
 
     @classmethod
     def make_dummy(cls, batch_size: int = 4, gamma: int = 4) -> "StepObservation":
@@ -195,7 +201,7 @@ class GoodputController(_Base):
         # lone ones are what the fit models, and a correction from the few of them probes
         # make would be noise. A drafting step after plain ones pays the drafter's catch-up.
         if (obs.pipelined or spec) and (self._drafted_before or not spec):
-            self._correct(b, spec, obs.verify_s + obs.draft_s, obs.drafted / b, extra)
+            self._correct(b, spec, obs.step_s or obs.verify_s + obs.draft_s, obs.drafted / b, extra)
         if obs.pipelined:  # not a lone step's cost: the fit models lone steps
             self._drafted_before = False
             return
