@@ -102,7 +102,7 @@ def main() -> int:
     prompts = code_prompts(64, seed=11)
     one = prompts[:1]
     R["prefill_ms"] = {f"{n}x{len(tok.encode(prompts[0]))}": prefill_ms(engine, [tok.encode(p) for p in prompts[:n]])
-                       for n in (1, 8)}
+                       for n in (1, 3, 8, 16)}
     log("prefill (graph vs eager, wall ms):", R["prefill_ms"], R=R)
     if os.environ.get("SWEEP_ONLY") == "1":
         return sweep_only(engine, prompts, R)

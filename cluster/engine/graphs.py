@@ -6,8 +6,8 @@ sequence's KV; rows shorter than T write a few positions past their length, whic
 spare capacity absorbs and the next step overwrites. Only the FA3 backend is captured: its
 kernel reads lengths from a tensor, while SDPA slices the cache by a host-side length.
 
-Prefill chunks wider than a verify row replay graphs of power-of-two widths up to the chunk
-size, with hidden states only (the caller takes logits at each row's last token: all B*T
+Prefill chunks wider than a verify row replay graphs of widths in steps of 1.5x up to the
+chunk size, with hidden states only (the caller takes logits at each row's last token: all B*T
 would be gigabytes). Eagerly, a pass is ~130 launches of compiled pieces whose Python guards
 cost more than the GPU work of a short prompt: on an H100, 8B shape, a 120-token prompt
 took ~30 ms a step eagerly against ~7 ms of weight streaming, and with speculation at 64
@@ -68,9 +68,12 @@ class _Graph:
 class GraphRunner:
     def __init__(self, model, kv, max_width: int, prefill_chunk: int = 0, max_tokens: int = 0):
         self.model, self.kv, self.max_width = model, kv, max_width
-        # prefill widths: powers of two from 16 below the chunk size, then the chunk size
-        # (a row padded to its width writes past its length; the spare capacity is a chunk)
-        self.prefill_widths = [w for w in (16, 32, 64, 128, 256, 512, 1024, 2048) if max_width < w < prefill_chunk]
+        # prefill widths: steps of 1.5x from 16 below the chunk size, then the chunk size (a
+        # row padded to its width writes past its length; the spare capacity is a chunk).
+        # Padding is compute where prompts are many: powers of two cost 8 prompts of 94
+        # tokens 45 ms against 39 ms eagerly (H100, 8B shape).
+        widths = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+        self.prefill_widths = [w for w in widths if max_width < w < prefill_chunk]
         if prefill_chunk > max_width:
             self.prefill_widths.append(prefill_chunk)
         self.max_tokens = max_tokens
