@@ -82,6 +82,15 @@ def draft_time(drafter: ModelDrafter, ids: list[int], gamma: int) -> float:
 def main() -> int:
     from transformers import AutoTokenizer
 
+    import logging
+
+    # the engine's own log (graph captures, slow draft calls), with times, beside the results
+    os.makedirs(OUT, exist_ok=True)
+    handler = logging.FileHandler(os.path.join(OUT, "engine.log"))
+    handler.setFormatter(logging.Formatter("%(relativeCreated)9.0f ms %(name)s %(levelname)s %(message)s"))
+    logging.getLogger("cluster").addHandler(handler)
+    logging.getLogger("cluster").setLevel(logging.INFO)
+
     R: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "model": "demo target embedded in Llama-3.1-8B dimensions (bf16); drafter: demo draft, vocab 128256"}
     bw = copy_bandwidth()

@@ -4,4 +4,5 @@ set -eo pipefail
 bash .device-bundle/unpack.sh || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv
-python3 scripts/gpu_bench.py 2>&1 | tee "${OUT:-.}/gpu_bench.log"
+# dynamo recompiles and Triton autotuning runs go to the log: either can stall a step for seconds
+TORCH_LOGS=recompiles TRITON_PRINT_AUTOTUNING=1 python3 scripts/gpu_bench.py 2>&1 | tee "${OUT:-.}/gpu_bench.log"

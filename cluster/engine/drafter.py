@@ -13,6 +13,7 @@ proposal q for rejection sampling, so the verifier sees exactly the q each draft
 from __future__ import annotations
 
 import abc
+import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -27,6 +28,7 @@ from cluster.engine.runner import Runner
 from cluster.engine.sampling import SamplingParams, target_probs
 
 TOPK = 32  # support kept for sampled proposals; greedy proposals are one-hot
+log = logging.getLogger(__name__)
 CATCHUP = 16  # rows with at most this many new tokens catch up in one (graphed) pass
 CATCHUP_TOKENS = 8192  # longer rows (new sequences, a return from plain decoding) go in padded
                        # passes of similar lengths up to this many tokens: one by one, 64 rows
@@ -182,6 +184,11 @@ class ModelDrafter(Drafter):
         out = {r.seq_id: ([], [], []) for r in requests}
         if live:
             self._propose(live, out)
+        took = time.perf_counter() - t0
+        if took > 1.0:  # a step is milliseconds: say what this one was asked to do
+            log.warning("draft call took %.1f s: %d rows, k %s, new tokens %s", took, len(live),
+                        sorted({r.k for r in live}), sorted(len(r.token_ids) - len(self.state.get(r.seq_id, (0, []))[1])
+                                                            for r in live)[-8:])
         toks, ids, probs = zip(*(out[r.seq_id] for r in requests))
         # rows with no drafts (k = 0, too long) get [0, 1] arrays, as every drafter's empty rows
         return DraftOutput(list(toks), [np.asarray(i, np.int32).reshape(len(t), -1 if t else 1) for i, t in zip(ids, toks)],
