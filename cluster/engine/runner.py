@@ -57,3 +57,23 @@ class Runner:
         if last_only:
             h = h[torch.arange(len(tokens), device=self.device), ctx.q_lens - 1]
         return (self.model.logits(h), h) if hidden else self.model.logits(h)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run every kernel variant a step can need once, before serving: dynamo specialises
+        the compiled pieces on sizes 0 and 1 of each dimension, and Triton tunes the GEMV per
+        weight shape, seconds each on first use (5-17 s a GEMV shape on an H100). A first use
+        in the middle of serving stalls every stream: one draft call took 66 s at 64 streams
+        (benchmarks/gpu/h100/stall). Eager passes (graphs are captured from the same pieces)
+        of 1 and 2 rows of 1 and 2 tokens, all logits or the last row's, on the scratch slot."""
+        graphs, self.graphs = self.graphs, None
+        scratch = self.kv.num_slots
+        try:
+            for b in (1, 2):
+                for t in (1, 2):
+                    for last_only in (True, False):
+                        self.forward([scratch] * b, [0] * b, [[0] * t] * b, last_only=last_only)
+        finally:
+            self.graphs = graphs
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()

@@ -14,8 +14,11 @@ def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
     model = load_model(resolve_model_path(cfg.models.draft), DTYPES[ec.dtype], ec.device)
     if ec.compile and next(model.parameters()).is_cuda:  # as the target's engine does (colocated)
         compile_kernels()
-    return ModelDrafter(model, num_slots=2 * ec.max_num_seqs, max_len=ec.max_model_len, gamma_max=ec.gamma_max,
-                        look_ahead="auto" if ec.draft_look_ahead else None)
+    drafter = ModelDrafter(model, num_slots=2 * ec.max_num_seqs, max_len=ec.max_model_len, gamma_max=ec.gamma_max,
+                           look_ahead="auto" if ec.draft_look_ahead else None)
+    if ec.compile and next(model.parameters()).is_cuda:
+        drafter.runner.warm_up()  # as the engine does: kernel variants now, not in a step
+    return drafter
 
 
 def build_engine(cfg: ClusterConfig, remote_drafter: Drafter | None = None) -> Engine:

@@ -235,3 +235,20 @@ def test_model_drafter_batched_catch_up_matches_one_row_at_a_time(random_models,
         got = together.propose(reqs).tokens
         want = [alone.propose([r]).tokens[0] for r in reqs]
         assert got == want and all(len(t) == 4 for t in got)
+
+
+def test_runner_warm_up_touches_only_the_scratch_slot(random_models, tokenizer):
+    """The start-up pass over every kernel variant (Runner.warm_up) writes KV of the scratch
+    slot only: a drafter warmed up with sequences cached drafts exactly as one never warmed."""
+    from cluster.engine.drafter import DraftRequest
+
+    draft = load_model(random_models["llama_draft"], torch.float32, "cpu")
+    warmed, cold = ModelDrafter(draft, 4, 128), ModelDrafter(draft, 4, 128)
+    reqs = [DraftRequest(f"s{i}", tokenizer.encode(p), 4) for i, p in enumerate(PROMPTS[:2])]
+    warmed.propose(reqs), cold.propose(reqs)
+    cached = warmed.kv.k[:, : warmed.kv.num_slots].clone()
+    warmed.runner.warm_up()
+    assert torch.equal(cached, warmed.kv.k[:, : warmed.kv.num_slots])
+    assert not torch.equal(warmed.kv.k[:, -1], torch.zeros_like(warmed.kv.k[:, -1]))  # it did run
+    more = [DraftRequest(r.seq_id, r.token_ids + [5, 6, 7], 4) for r in reqs]
+    assert warmed.propose(more).tokens == cold.propose(more).tokens
