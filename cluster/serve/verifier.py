@@ -60,6 +60,8 @@ class Verifier:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.remote = (RemoteDrafter(drafter, cfg.router.drafter_timeout_s, self.replica_id, cfg.router.drafter_transport)
                        if drafter else None)
+        if self.remote and not cfg.engine.draft_look_ahead:
+            self.remote.look_ahead = None
         self.engine = build_engine(cfg, self.remote)
         self.cfg = cfg
         # Three readers (autoscaling, routing stats, GetStats), each with its own window.
