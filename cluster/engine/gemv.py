@@ -1,5 +1,5 @@
-"""Matrix-vector products (one token row: batch-1 decode; a few rows: a verify pass, a small
-batch) as one Triton kernel that streams each weight once, with the layer's neighbours fused in.
+"""Matrix-vector products (one token row: batch-1 decode) as one Triton kernel that
+streams each weight once, with the layer's neighbours fused in.
 
 Why: at batch 1 a decode step is weight bandwidth and little else, so what costs is the
 small kernels between the weight streams. The kernel takes the RMSNorm before a projection
@@ -22,12 +22,10 @@ import triton
 import triton.language as tl
 
 PRO_NONE, PRO_RMSNORM, PRO_SILU = 0, 1, 2
-# Token rows a projection takes here; more go to cuBLAS. One row is the batch-1 decode; 2..9
-# are a batch-1 verify (gamma + 1) or a small decode batch, which on cuBLAS (and unfused
-# norm, SiLU and residual kernels) cost 1.15-1.19 decode steps for gamma 4 (H100, 8B
-# shape). Those rows go to _gemv_rows: the same weight stream, each weight tile applied to
-# every row on the CUDA cores. (A padded 16-row tensor-core tile, tl.dot, cost 1.97.)
-MAX_ROWS = int(os.environ.get("GEMV_MAX_ROWS", "8"))
+MAX_ROWS = 1  # one token row (batch-1 decode); more rows go to cuBLAS: with them a gamma=4
+              # verify costs 1.14 decode steps. A padded 16-row tensor-core tile (tl.dot, 30
+              # autotuned configs, weights evict-first) cost 1.97 (11.66 ms against 6.74 ms,
+              # H100, gpu_bench with GEMV_MAX_ROWS=16, benchmarks/gpu/h100), as one tried earlier did
 
 
 def _configs():
@@ -83,87 +81,22 @@ def _gemv(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, N, K, eps,
     tl.store(y_ptr + rn, out, mask=nmask)
 
 
-def _row_configs():
-    if os.environ.get("GEMV_CONFIGS") == "one":
-        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 128}, num_warps=4, num_stages=2)]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=2)
-            for bn in (4, 8, 16) for bk in (128, 256, 512) for w in (4, 8)]
-
-
-def _prune_rows(configs, named_args, **kw):
-    # the accumulator holds ROWS x BLOCK_N x BLOCK_K floats: keep it in registers
-    fit = [c for c in configs if named_args["K"] % c.kwargs["BLOCK_K"] == 0
-           and kw["ROWS"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 16384]
-    return fit or configs[:1]
-
-
-@triton.autotune(configs=_row_configs(), key=["N", "K", "PRO", "RES", "HAS_BIAS", "ROWS"],
-                 prune_configs_by={"early_config_prune": _prune_rows})
-@triton.jit
-def _gemv_rows(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, M, N, K, eps,
-               PRO: tl.constexpr, RES: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """_gemv for M <= ROWS rows (x: [M, K], or [M, 2K] for SiLU; y, res: [M, N])."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = rn < N
-    rm = tl.arange(0, ROWS)
-    mmask = rm < M
-    out_ty = y_ptr.dtype.element_ty
-    xs = 2 * K if PRO == 2 else K  # row stride of x
-    if PRO == 1:
-        ss = tl.zeros((ROWS, BLOCK_K), tl.float32)
-        for kb in range(0, K // BLOCK_K):
-            rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            xv = tl.load(x_ptr + rm[:, None] * xs + rk[None, :], mask=mmask[:, None], other=0.0).to(tl.float32)
-            ss += xv * xv
-        rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)
-    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), tl.float32)
-    for kb in range(0, K // BLOCK_K):
-        rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + rm[:, None] * xs + rk[None, :], mask=mmask[:, None], other=0.0)
-        if PRO == 1:
-            nw = tl.load(nw_ptr + rk).to(tl.float32)
-            xv = (xv.to(tl.float32) * rstd[:, None] * nw[None, :]).to(out_ty)
-        if PRO == 2:
-            up = tl.load(x_ptr + rm[:, None] * xs + K + rk[None, :], mask=mmask[:, None], other=0.0)
-            g = xv.to(tl.float32)
-            s = (g * tl.sigmoid(g)).to(out_ty)
-            xv = (s.to(tl.float32) * up.to(tl.float32)).to(out_ty)
-        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=nmask[:, None], other=0.0,
-                    eviction_policy="evict_first")
-        acc += w.to(tl.float32)[None, :, :] * xv.to(tl.float32)[:, None, :]
-    out = tl.sum(acc, axis=2)  # [ROWS, BLOCK_N]
-    if HAS_BIAS:
-        out += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    out = out.to(out_ty)
-    omask = mmask[:, None] & nmask[None, :]
-    if RES:
-        r = tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=omask, other=0.0)
-        out = (out.to(tl.float32) + r.to(tl.float32)).to(out_ty)
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], out, mask=omask)
-
-
 def supported(k: int) -> bool:
     return k % 128 == 0  # some BLOCK_K divides K (the loop has no tail)
 
 
 def fused_linear(x: torch.Tensor, w: torch.Tensor, bias=None, norm=None, eps: float = 0.0,
                  silu: bool = False, residual=None) -> torch.Tensor:
-    """y = [residual +] linear([rms_norm | silu_mul](x)) for up to MAX_ROWS token rows;
-    x: [..., K or 2K], w: [N, K] (nn.Linear layout), contiguous."""
+    """y = [residual +] linear([rms_norm | silu_mul](x)) for one row; x: [..., K or 2K],
+    w: [N, K] (nn.Linear layout), contiguous."""
     lead = x.shape[:-1]
     n, k = w.shape
-    m = x.numel() // x.shape[-1]
-    assert 1 <= m <= max(1, MAX_ROWS) and w.is_contiguous()
-    x1 = x.reshape(m, -1).contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    res = residual.reshape(m, n).contiguous() if residual is not None else y
+    assert x.numel() // x.shape[-1] == 1 and w.is_contiguous()
+    x1 = x.reshape(-1).contiguous()
+    y = torch.empty((n,), dtype=x.dtype, device=x.device)
+    res = residual.reshape(n) if residual is not None else y
     pro = PRO_SILU if silu else PRO_RMSNORM if norm is not None else PRO_NONE
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    args = (x1, w, bias if bias is not None else w, norm if norm is not None else w, res, y)
-    flags = dict(PRO=pro, RES=residual is not None, HAS_BIAS=bias is not None)
-    if m == 1:
-        _gemv[grid](*args, n, k, eps, **flags)
-    else:  # rows padded to a power of two: one compiled kernel (and tuning) per bucket
-        _gemv_rows[grid](*args, m, n, k, eps, ROWS=triton.next_power_of_2(m), **flags)
+    _gemv[grid](x1, w, bias if bias is not None else w, norm if norm is not None else w, res, y, n, k, eps,
+                PRO=pro, RES=residual is not None, HAS_BIAS=bias is not None)
     return y.view(*lead, n)

@@ -87,17 +87,17 @@ KERNELS = {"rope": rope, "rms_norm": rms_norm, "silu_mul": silu_mul, "linear": l
 def compile_kernels() -> None:
     """GPU fast path. Elementwise pieces fused by torch.compile (a decode step is otherwise
     dozens of tiny kernels per layer), compiled once per shape family and shared by all
-    layers; projections over at most gemv.MAX_ROWS token rows (decode, verify) by the Triton GEMV.
+    layers; projections over at most 16 token rows (decode, verify) by the Triton GEMV.
     Process-wide and idempotent: the target and a drafter in one process share it."""
     if KERNELS["linear"] is not linear:
         return
     for name in ("rope", "rms_norm", "silu_mul"):
         KERNELS[name] = torch.compile(KERNELS[name], dynamic=True)
-    from cluster.engine import gemv
+    from cluster.engine.gemv import MAX_ROWS, fused_linear, supported
 
     def gpu_linear(x, w, bias=None, norm=None, eps=0.0, silu=False, residual=None):
-        if x.numel() // x.shape[-1] <= gemv.MAX_ROWS and x.is_cuda and gemv.supported(w.shape[1]):
-            return gemv.fused_linear(x, w, bias, norm, eps, silu, residual)
+        if x.numel() // x.shape[-1] <= MAX_ROWS and x.is_cuda and supported(w.shape[1]):
+            return fused_linear(x, w, bias, norm, eps, silu, residual)
         return linear(x, w, bias, norm, eps, silu, residual)
 
     KERNELS["linear"] = gpu_linear
