@@ -23,9 +23,12 @@ import triton.language as tl
 
 PRO_NONE, PRO_RMSNORM, PRO_SILU = 0, 1, 2
 MAX_ROWS = 1  # one token row (batch-1 decode); more rows go to cuBLAS: with them a gamma=4
-              # verify costs 1.14 decode steps. A padded 16-row tensor-core tile (tl.dot, 30
-              # autotuned configs, weights evict-first) cost 1.97 (11.66 ms against 6.74 ms,
-              # H100, gpu_bench with GEMV_MAX_ROWS=16, benchmarks/gpu/h100), as one tried earlier did
+              # verify costs 1.13-1.19 decode steps. Tried for 2..8 rows: a padded 16-row
+              # tensor-core tile (tl.dot, 30 autotuned configs) cost 1.97; each weight tile
+              # applied to every row on the CUDA cores won at 2 rows only (6.71 against 6.94 ms)
+              # and lost from 3 (4 rows 8.55 ms, 8 rows 13.6 against 7.26): the FMAs, not the
+              # weight stream, bound it (H100, benchmarks/gpu/h100/gpu_gemv_rows_cuda_cores.json,
+              # scripts/gpu_gemv_rows.py at commit 2d95708).
 
 
 def _configs():
