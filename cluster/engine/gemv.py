@@ -10,7 +10,10 @@ themselves from 5.58 ms (cuBLAS) to 5.28 ms, against 5.01 ms of weights at copy 
 (benchmarks/gpu/h100/gpu_profile*.json, scripts/gpu_profile.py).
 
 Rounding follows the eager reference step by step (fp32 norm times weight, cast; SiLU cast,
-times up, cast; output cast, plus residual, cast), so only summation order differs.
+times up, cast) up to the residual, which is added in fp32 before the output's one rounding,
+as cuBLAS's addmm epilogue does on the wider steps: a verify pass then rounds as a decode
+step does. (Rounding the product first, as the eager path does, while the verify's addmm did
+not, changed greedy tokens between speculation and plain decoding in every H100 run.)
 """
 
 from __future__ import annotations
@@ -77,11 +80,9 @@ def _gemv(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, N, K, eps,
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
-    out = out.to(out_ty)
-    if RES:
-        r = tl.load(res_ptr + rn, mask=nmask, other=0.0)
-        out = (out.to(tl.float32) + r.to(tl.float32)).to(out_ty)
-    tl.store(y_ptr + rn, out, mask=nmask)
+    if RES:  # added before the one rounding, as the addmm of wider steps (model.compile_kernels)
+        out += tl.load(res_ptr + rn, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rn, out.to(out_ty), mask=nmask)
 
 
 def supported(k: int) -> bool:
