@@ -188,6 +188,24 @@ def main() -> int:
     return sweep_only(engine, prompts, R)
 
 
+def watch_steps(engine) -> None:
+    """A step that runs past 10 s dumps every thread's Python stack to $OUT/stall_stacks.txt:
+    where the host waits (on the GPU, or in Python) when a step stalls."""
+    import faulthandler
+
+    out = open(os.path.join(OUT, "stall_stacks.txt"), "w")  # noqa: SIM115 (lives with the process)
+    step = engine.step
+
+    def watched():
+        faulthandler.dump_traceback_later(10, repeat=True, file=out)
+        try:
+            return step()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+
+    engine.step = watched
+
+
 def prefill_ms(engine, ids: list[list[int]]) -> dict:
     """Wall ms of one prefill pass over these prompts (host work included), on its CUDA
     graph and eagerly."""
@@ -225,6 +243,7 @@ def sweep_only(engine, prompts, R) -> int:
     # One controller for the whole ramp, as in a server whose load rises: what it learnt at
     # low concurrency (acceptance, cost per token) carries over; each level warms it up.
     sweep, controller = [], make_controller(SpeculationPolicyConfig(mode="goodput"))
+    watch_steps(engine)
     # Output lengths 64..192 (mean 128, the same list for every mode). With one length for
     # all, plain decoding's requests finish in the same step and their successors prefill
     # as one batch, while speculation's finish one by one, each a prefill step of its own:
@@ -264,6 +283,9 @@ def sweep_only(engine, prompts, R) -> int:
                       "goodput_acceptance": auto["acceptance_rate"], "goodput_itl_ms_p50": auto["itl_ms_p50"],
                       "off_itl_ms_p50": off["itl_ms_p50"], "trace": trace,
                       "ratio": auto["tokens_per_s"] / off["tokens_per_s"]})
+        free, total = torch.cuda.mem_get_info()
+        sweep[-1]["memory_gb"] = {"free": free / 1e9, "reserved": torch.cuda.memory_reserved() / 1e9,
+                                  "graphs": engine._graphs_captured()}
         log("sweep:", {k: v for k, v in sweep[-1].items() if k != "trace"}, R={**R, "concurrency_sweep": sweep})
     R["concurrency_sweep"] = sweep
     return _write(R, "gpu_bench_sweep.json" if os.environ.get("SWEEP_ONLY") == "1" else "gpu_bench.json")

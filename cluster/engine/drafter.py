@@ -104,6 +104,7 @@ class NgramDrafter(Drafter):
 
     def propose(self, requests: list[DraftRequest]) -> DraftOutput:
         t0 = time.perf_counter()
+        new = [len(r.token_ids) - len(self.state.get(r.seq_id, (0, []))[1]) for r in requests]
         toks = [self._lookup(np.asarray(r.token_ids, np.int64), r.k) if r.k > 0 else [] for r in requests]
         hot = [one_hot(t) for t in toks]
         return DraftOutput(toks, [h[0] for h in hot], [h[1] for h in hot], time.perf_counter() - t0)
@@ -180,6 +181,7 @@ class ModelDrafter(Drafter):
 
     def propose(self, requests: list[DraftRequest]) -> DraftOutput:
         t0 = time.perf_counter()
+        new = [len(r.token_ids) - len(self.state.get(r.seq_id, (0, []))[1]) for r in requests]
         live = [r for r in requests if r.k > 0 and len(r.token_ids) + r.k <= self.max_len]
         out = {r.seq_id: ([], [], []) for r in requests}
         if live:
@@ -187,8 +189,7 @@ class ModelDrafter(Drafter):
         took = time.perf_counter() - t0
         if took > 1.0:  # a step is milliseconds: say what this one was asked to do
             log.warning("draft call took %.1f s: %d rows, k %s, new tokens %s", took, len(live),
-                        sorted({r.k for r in live}), sorted(len(r.token_ids) - len(self.state.get(r.seq_id, (0, []))[1])
-                                                            for r in live)[-8:])
+                        sorted({r.k for r in live}), sorted(new)[-8:])
         toks, ids, probs = zip(*(out[r.seq_id] for r in requests))
         # rows with no drafts (k = 0, too long) get [0, 1] arrays, as every drafter's empty rows
         return DraftOutput(list(toks), [np.asarray(i, np.int32).reshape(len(t), -1 if t else 1) for i, t in zip(ids, toks)],
