@@ -104,7 +104,6 @@ class NgramDrafter(Drafter):
 
     def propose(self, requests: list[DraftRequest]) -> DraftOutput:
         t0 = time.perf_counter()
-        new = [len(r.token_ids) - len(self.state.get(r.seq_id, (0, []))[1]) for r in requests]
         toks = [self._lookup(np.asarray(r.token_ids, np.int64), r.k) if r.k > 0 else [] for r in requests]
         hot = [one_hot(t) for t in toks]
         return DraftOutput(toks, [h[0] for h in hot], [h[1] for h in hot], time.perf_counter() - t0)
