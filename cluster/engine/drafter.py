@@ -145,6 +145,14 @@ class ModelDrafter(Drafter):
         if self.stream is None:
             return super().propose_async(requests)
         fut: Future = Future()
+        if all(r.confirmed is None for r in requests):
+            # Not a look-ahead (which is meant to run beside the verify pass): start after what
+            # the caller's stream still has queued, e.g. a plain step launched ahead and then
+            # dropped when the controller turned speculation back on. Drafting beside a full
+            # 64-row target pass is the one pattern shared by three H100 runs in which a draft
+            # call waited 66-69 s on its own stream (benchmarks/gpu/h100/stall; the fix is
+            # not yet measured there).
+            self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):  # every step syncs this stream: nothing left in flight
             fut.set_result(self.propose(requests))
         return fut
