@@ -65,6 +65,27 @@ def test_seeded_sampling_is_reproducible(engine):
     assert a[0]["token_ids"] == b[0]["token_ids"]
 
 
+def test_step_period_covers_drafting_verifying_and_the_callers_gap(engine):
+    """StepObservation.step_s (what the goodput controller's corrections compare) runs from
+    the previous verify step's end: the caller's work between steps counts; a prefill step
+    between, or a caller idle longer than the step itself, restarts it."""
+    from cluster.policy.controller import StepObservation
+
+    obs = []
+    engine.on_verify = obs.append
+    try:
+        engine.generate(["abcabcabcabc"], SamplingParams(max_tokens=12, ignore_eos=True), SpecParams("fixed", 2), "model")
+        assert len(obs) >= 3 and all(o.step_s >= o.verify_s + o.draft_s > 0 for o in obs)
+        last, engine._last_end = engine._last_end, 10.0
+        o = StepObservation.make_dummy()
+        engine._observe(o, 10.001, 10.011)  # 1 ms of the caller's work, then a 10 ms step
+        assert o.step_s == pytest.approx(0.011) and engine._last_end == 10.0  # step() moves it
+        engine._observe(o, 10.05, 10.06)  # idle 50 ms before a 10 ms step: not a step's cost
+        assert o.step_s == pytest.approx(0.01)
+    finally:
+        engine.on_verify, engine._last_end = None, last
+
+
 def test_stats_and_timing_reported(engine):
     r = engine.generate(["abcabcabcabc"], SamplingParams(max_tokens=32, ignore_eos=True), SpecParams("fixed", 4), "model")[0]
     spec, timing = r["spec"], r["timing"]
