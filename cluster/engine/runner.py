@@ -62,10 +62,10 @@ class Runner:
     def warm_up(self) -> None:
         """Run every kernel variant a step can need once, before serving: dynamo specialises
         the compiled pieces on sizes 0 and 1 of each dimension, and Triton tunes the GEMV per
-        weight shape, seconds each on first use (5-17 s a GEMV shape on an H100). A first use
-        in the middle of serving stalls every stream: one draft call took 66 s at 64 streams
-        (benchmarks/gpu/h100/stall). Eager passes (graphs are captured from the same pieces)
-        of 1 and 2 rows of 1 and 2 tokens, all logits or the last row's, on the scratch slot."""
+        weight shape, seconds each on first use (5-22 s a GEMV shape on an H100; tuned lazily,
+        single-stream draft calls took 3.6 and 10.4 s, and every stream waits on such a step).
+        Eager passes (graphs are captured from the same pieces) of 1 and 2 rows of 1 and 2
+        tokens, all logits or the last row's, on the scratch slot."""
         graphs, self.graphs = self.graphs, None
         scratch = self.kv.num_slots
         try:
