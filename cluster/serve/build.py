@@ -12,12 +12,13 @@ from cluster.engine.model import compile_kernels, load_model, load_tokenizer
 def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
     ec = cfg.engine_config()
     model = load_model(resolve_model_path(cfg.models.draft), DTYPES[ec.dtype], ec.device)
-    if ec.compile and next(model.parameters()).is_cuda:  # as the target's engine does (colocated)
+    fast = ec.compile and next(model.parameters()).is_cuda  # as the target's engine does (colocated)
+    if fast:
         compile_kernels()
     drafter = ModelDrafter(model, num_slots=2 * ec.max_num_seqs, max_len=ec.max_model_len, gamma_max=ec.gamma_max,
                            look_ahead="auto" if ec.draft_look_ahead else None)
-    if ec.compile and next(model.parameters()).is_cuda:
-        drafter.runner.warm_up()  # as the engine does: kernel variants now, not in a step
+    if fast:
+        drafter.runner.warm_up()  # kernel variants now, not in the middle of a step
     return drafter
 
 
