@@ -249,10 +249,11 @@ def sweep_only(engine, prompts, R) -> int:
     # as one batch, while speculation's finish one by one, each a prefill step of its own:
     # that measures the prefill schedule, not speculation (H100 run, 64 streams: 0.67 of
     # plain with the controller speculating where its steps paid; benchmarks/gpu/h100/sweep_equal_lengths).
-    rng = random.Random(5)
     fixed_len = int(os.environ.get("SWEEP_MAX_TOKENS", "0"))
-    lengths = [fixed_len or rng.randint(64, 192) for _ in range(256)]
-    for c in map(int, os.environ.get("SWEEP_LEVELS", "1,4,16,64").split(",")):
+    levels = list(map(int, os.environ.get("SWEEP_LEVELS", "1,4,16,64").split(",")))
+    rng = random.Random(5)
+    lengths = [fixed_len or rng.randint(64, 192) for _ in range(max(8, 4 * max(levels)))]
+    for c in levels:
         if time.time() - T0 > 480:
             log("time budget reached; sweep stops at", c)
             break
@@ -276,14 +277,15 @@ def sweep_only(engine, prompts, R) -> int:
             row[0] = round(1e3 * (row[0] - trace[0][0]), 2)
         snap = engine.controller.snapshot()
         engine.controller = None
-        sweep.append({"concurrency": c, "requests": len(reqs), "max_tokens": "64..192" if not fixed_len else fixed_len, "off_tokens_per_s": off["tokens_per_s"],
+        sweep.append({"concurrency": c, "requests": len(reqs), "max_tokens": fixed_len or "64..192",
+                      "off_tokens_per_s": off["tokens_per_s"],
                       "fixed4_tokens_per_s": fixed["tokens_per_s"], "fixed4_acceptance": fixed["acceptance_rate"],
                       "goodput_tokens_per_s": auto["tokens_per_s"], "goodput_gamma": snap["gamma"],
                       "measured_over_model": snap.get("measured_over_model"),
                       "goodput_acceptance": auto["acceptance_rate"], "goodput_itl_ms_p50": auto["itl_ms_p50"],
                       "off_itl_ms_p50": off["itl_ms_p50"], "trace": trace,
                       "ratio": auto["tokens_per_s"] / off["tokens_per_s"]})
-        free, total = torch.cuda.mem_get_info()
+        free, _ = torch.cuda.mem_get_info()
         sweep[-1]["memory_gb"] = {"free": free / 1e9, "reserved": torch.cuda.memory_reserved() / 1e9,
                                   "graphs": engine._graphs_captured()}
         log("sweep:", {k: v for k, v in sweep[-1].items() if k != "trace"}, R={**R, "concurrency_sweep": sweep})

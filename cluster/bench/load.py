@@ -68,7 +68,7 @@ def run_engine(engine, prompts, concurrency: int, max_tokens: int | list[int], s
     from cluster.engine.sampling import SamplingParams
 
     lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-    queue, live, done = list(zip(prompts, lengths)), {}, []
+    queue, live, done = list(zip(prompts, lengths, strict=True)), {}, []
     t0 = time.perf_counter()
     while queue or live:
         while queue and len(live) < concurrency:
