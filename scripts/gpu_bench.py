@@ -62,6 +62,36 @@ def decode_rate(engine, prompts, spec, drafter=None, new=256) -> dict:
             "mean_accepted_len": (a + vs) / vs if vs else 1.0, "token_ids": [r["token_ids"] for r in res]}
 
 
+def agreement(engine, prompt: list[int], spec: list[int], plain: list[int]) -> dict:
+    """Where greedy speculation's tokens first differ from plain decoding's, and by how much
+    the target preferred plain's token there (one eager pass over the common prefix). The
+    decode step (Triton GEMV, autotuned per run) and the verify pass (cuBLAS) round
+    differently, so a token whose two best logits are a rounding apart can flip; a wide gap
+    at the first difference would be a bug."""
+    i = next((j for j, (a, b) in enumerate(zip(spec, plain)) if a != b), None)
+    if i is None:
+        return {"same_tokens": len(spec) == len(plain), "tokens": len(plain)}
+    slot, graphs = engine.kv.allocate(), engine.runner.graphs
+    engine.runner.graphs = None
+    try:
+        logits = engine.runner.forward([slot], [0], [prompt + plain[:i]], last_only=True)[0].float()
+    finally:
+        engine.runner.graphs = graphs
+        engine.kv.free(slot)
+    top2 = logits.topk(2).values
+    return {"same_tokens": False, "tokens": len(plain), "first_difference": i,
+            "plain_minus_spec_logit": float(logits[plain[i]] - logits[spec[i]]),
+            "top2_margin": float(top2[0] - top2[1]), "logit_scale": float(logits.abs().max())}
+
+
+def gemv_configs() -> dict:
+    """The Triton GEMV's tuned config per weight shape this run (tuning is timed, so it can
+    differ between runs, and with it the decode step's rounding)."""
+    from cluster.engine.gemv import _gemv
+
+    return {str(k[:4]): str(c) for k, c in getattr(_gemv, "cache", {}).items()}
+
+
 def drop_ids(d: dict) -> dict:
     return {k: v for k, v in d.items() if k != "token_ids"}
 
@@ -154,8 +184,10 @@ def main() -> int:
             **drop_ids(spec), "draft_ms_per_token": 1e3 * t_draft, "speedup": speedup,
             "ideal_speedup": ideal, "fraction_of_ideal": speedup / ideal,
             "ideal_speedup_measured_verify": ideal_v, "fraction_of_ideal_measured_verify": speedup / ideal_v,
-            "same_tokens_as_plain": spec["token_ids"] == plain["token_ids"]}
+            "same_tokens_as_plain": spec["token_ids"] == plain["token_ids"],
+            "agreement": agreement(engine, tok.encode(prompts[0]), spec["token_ids"][0], plain["token_ids"][0])}
         log(f"model drafter g{gamma}:", R["speculation_batch1"][f"g{gamma}"])
+    R["gemv_configs"] = gemv_configs()
     # the drafter's look-ahead (drafting the next step on its stream during the verify) on and off
     counts = dict(engine.planner.counts)
     on = decode_rate(engine, one, SpecParams("fixed", 4), "model")
@@ -260,21 +292,12 @@ def sweep_only(engine, prompts, R) -> int:
         reqs = [prompts[i % len(prompts)] for i in range(max(8, 4 * c))]
         rate = lambda spec, n=len(reqs): summarise(*run_engine(engine, reqs[:n], c, lengths[:n], spec))  # noqa: E731
         rate(SpecParams("off"), c)  # warm-up: this level's graphs
-        off = rate(SpecParams("off"))
+        off, off_trace = traced(engine, lambda: rate(SpecParams("off")))
         rate(SpecParams("fixed", 4), c)
-        fixed = profiled(f"fixed4_c{c}", lambda: rate(SpecParams("fixed", 4)))  # PROFILE=1: slows it
+        fixed, fixed_trace = traced(engine, lambda: profiled(f"fixed4_c{c}", lambda: rate(SpecParams("fixed", 4))))
         engine.controller = controller
         rate(SpecParams("auto"), 2 * c)  # let the controller measure this level
-        # per verify step: its end (ms from the first), rows, gamma, drafted, pipelined, verify,
-        # draft and whole-step ms (StepObservation.step_s)
-        trace: list = []
-        engine.on_verify = lambda o: trace.append([time.perf_counter(), o.batch_size, o.gamma, o.drafted,
-                                                   int(o.pipelined), round(1e3 * o.verify_s, 2),
-                                                   round(1e3 * o.draft_s, 2), round(1e3 * o.step_s, 2)])
-        auto = rate(SpecParams("auto"))
-        engine.on_verify = None
-        for row in trace[::-1]:
-            row[0] = round(1e3 * (row[0] - trace[0][0]), 2)
+        auto, trace = traced(engine, lambda: rate(SpecParams("auto")))
         snap = engine.controller.snapshot()
         engine.controller = None
         sweep.append({"concurrency": c, "requests": len(reqs), "max_tokens": fixed_len or "64..192",
@@ -284,13 +307,31 @@ def sweep_only(engine, prompts, R) -> int:
                       "measured_over_model": snap.get("measured_over_model"),
                       "goodput_acceptance": auto["acceptance_rate"], "goodput_itl_ms_p50": auto["itl_ms_p50"],
                       "off_itl_ms_p50": off["itl_ms_p50"], "trace": trace,
+                      "off_trace": off_trace, "fixed4_trace": fixed_trace,
                       "ratio": auto["tokens_per_s"] / off["tokens_per_s"]})
         free, _ = torch.cuda.mem_get_info()
         sweep[-1]["memory_gb"] = {"free": free / 1e9, "reserved": torch.cuda.memory_reserved() / 1e9,
                                   "graphs": engine._graphs_captured()}
-        log("sweep:", {k: v for k, v in sweep[-1].items() if k != "trace"}, R={**R, "concurrency_sweep": sweep})
+        log("sweep:", {k: v for k, v in sweep[-1].items() if not k.endswith("trace")}, R={**R, "concurrency_sweep": sweep})
     R["concurrency_sweep"] = sweep
     return _write(R, "gpu_bench_sweep.json" if os.environ.get("SWEEP_ONLY") == "1" else "gpu_bench.json")
+
+
+def traced(engine, fn):
+    """(fn(), its verify steps): per step its end (ms from the first), rows, gamma, drafted,
+    pipelined, verify, draft and whole-step ms (StepObservation.step_s), and tokens out."""
+    trace: list = []
+    engine.on_verify = lambda o: trace.append([time.perf_counter(), o.batch_size, o.gamma, o.drafted,
+                                               int(o.pipelined), round(1e3 * o.verify_s, 2),
+                                               round(1e3 * o.draft_s, 2), round(1e3 * o.step_s, 2),
+                                               o.batch_size + sum(o.accepted_per_position)])
+    try:
+        out = fn()
+    finally:
+        engine.on_verify = None
+    for row in trace[::-1]:
+        row[0] = round(1e3 * (row[0] - trace[0][0]), 2)
+    return out, trace
 
 
 def profiled(name: str, fn):

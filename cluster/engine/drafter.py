@@ -29,10 +29,14 @@ from cluster.engine.sampling import SamplingParams, target_probs
 
 TOPK = 32  # support kept for sampled proposals; greedy proposals are one-hot
 log = logging.getLogger(__name__)
-CATCHUP = 16  # rows with at most this many new tokens catch up in one (graphed) pass
+CATCHUP = 16  # rows with at most this many new tokens catch up in one pass
 CATCHUP_TOKENS = 8192  # longer rows (new sequences, a return from plain decoding) go in padded
                        # passes of similar lengths up to this many tokens: one by one, 64 rows
                        # back from plain decoding cost a drafter pass each
+# Catch-up passes up to this many tokens a row replay CUDA graphs (hidden states only; logits
+# at each row's last token). Eagerly, a new request's prompt cost a draft step ~5 ms of Python
+# at 64 streams on an H100, where drafting itself is launch-bound and ~1 ms a token.
+CHUNK = 512
 
 
 @dataclass
@@ -133,10 +137,13 @@ class ModelDrafter(Drafter):
         # (a small model's step is launches and syncs, which then overlap the verify pass).
         self.stream = torch.cuda.Stream(p.device) if p.device.type == "cuda" else None
         self.look_ahead = ("free" if self.stream is not None else None) if look_ahead == "auto" else look_ahead
-        # spare positions: a batched catch-up pads short rows up to CATCHUP tokens
-        self.kv = KVCache(s.layers, num_slots, max_len + CATCHUP, s.kv_heads, s.head_dim, p.dtype, p.device)
-        # CUDA graphs for catch-up and draft steps: a small model's step is launches, not math
-        self.runner = Runner(model, self.kv, graph_width=CATCHUP if p.device.type == "cuda" else 0)
+        # spare positions: a batched catch-up pads short rows to the longest (or a graph's width)
+        self.kv = KVCache(s.layers, num_slots, max_len + CHUNK, s.kv_heads, s.head_dim, p.dtype, p.device)
+        # CUDA graphs for draft steps (one token a row, with logits) and catch-up passes (every
+        # width up to CATCHUP, then 1.5x steps to CHUNK): a small model's step is launches, not math
+        cuda = p.device.type == "cuda"
+        self.runner = Runner(model, self.kv, graph_width=1 if cuda else 0, prefill_chunk=CHUNK,
+                             max_tokens=CATCHUP_TOKENS, dense_to=CATCHUP)
         self.max_len = max_len
         self.state: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()  # seq_id -> (slot, cached tokens)
         self.generators: dict[str, torch.Generator] = {}
@@ -267,7 +274,9 @@ class ModelDrafter(Drafter):
         cap = self.kv.capacity
         for b in sorted((b for b, f in enumerate(feed) if len(f) > CATCHUP), key=lambda b: len(feed[b])):
             g, n = groups[-1], len(feed[b])  # rows sorted by length: b's is the group's width
-            if len(groups) == 1 or (len(g) + 1) * n > CATCHUP_TOKENS or max(lens[x] for x in g + [b]) + n > cap:
+            # a row padded to the group's width writes past its own tokens: it must fit the slot
+            pad = self.runner.padded_width(n)
+            if len(groups) == 1 or (len(g) + 1) * n > CATCHUP_TOKENS or max(lens[x] for x in g + [b]) + pad > cap:
                 groups.append([])
             groups[-1].append(b)
         logits = None

@@ -68,7 +68,7 @@ class Engine:
         self.drafters = drafters or {}
         self.default_drafter = default_drafter
         self.planner = DraftPlanner(self.drafters, default_drafter)
-        if cfg.compile and p.device.type == "cuda":  # compiled pieces and GEMV tuning now, not mid-serving
+        if p.device.type == "cuda":  # compiled pieces, GEMV tuning and CUDA graphs now, not mid-serving
             for r in [self.runner] + [getattr(d, "runner", None) for d in self.drafters.values()]:
                 if r is not None:
                     r.warm_up()

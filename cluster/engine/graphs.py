@@ -1,4 +1,4 @@
-"""CUDA graphs for the decode, verify and prefill steps (batch buckets x row widths, captured lazily).
+"""CUDA graphs for the decode, verify and prefill steps (batch buckets x row widths).
 
 A step of B rows of T tokens each (T = gamma + 1; 1 is plain decoding) replays a graph
 captured for (bucket(B), T). Padding rows point at a scratch slot, so they never touch a
@@ -17,6 +17,7 @@ streams new requests arrive one at a time, each a prefill step all rows wait on.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -66,21 +67,39 @@ class _Graph:
 
 
 class GraphRunner:
-    def __init__(self, model, kv, max_width: int, prefill_chunk: int = 0, max_tokens: int = 0):
+    def __init__(self, model, kv, max_width: int, prefill_chunk: int = 0, max_tokens: int = 0, dense_to: int = 0):
         self.model, self.kv, self.max_width = model, kv, max_width
-        # prefill widths: steps of 1.5x from 16 below the chunk size, then the chunk size (a
-        # row padded to its width writes past its length; the spare capacity is a chunk).
-        # Padding is compute where prompts are many: powers of two cost 8 prompts of 94
+        # Hidden-only widths: every width up to `dense_to` (a drafter's catch-up after a verify
+        # step: a few tokens a row), then steps of 1.5x from 16 below the chunk size, then the
+        # chunk size (a row padded to its width writes past its length; the spare capacity is a
+        # chunk). Padding is compute where prompts are many: powers of two cost 8 prompts of 94
         # tokens 45 ms against 39 ms eagerly (H100, 8B shape).
         widths = (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
-        self.prefill_widths = [w for w in widths if max_width < w < prefill_chunk]
-        if prefill_chunk > max_width:
+        self.prefill_widths = list(range(max_width + 1, dense_to + 1))
+        self.prefill_widths += [w for w in widths if max(max_width, dense_to) < w < prefill_chunk]
+        if prefill_chunk > max(max_width, dense_to):
             self.prefill_widths.append(prefill_chunk)
         self.max_tokens = max_tokens
         self.graphs: dict[tuple[int, int, int | None], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.max_batch, self.device = BUCKETS[-1], kv.k.device
         self.last: tuple[_Graph, int] | None = None  # the graph replayed last and its live rows
+
+    @torch.inference_mode()
+    def capture_all(self, max_batch: int) -> None:
+        """Capture every graph a step of up to `max_batch` rows can replay (full model), before
+        serving: a capture costs up to 50x a replay (~150 ms, 8B shape on an H100), and lazily
+        it lands in a step every stream waits on. vLLM captures at start-up for the same reason."""
+        t0, before = time.perf_counter(), len(self.graphs)
+        for bucket in BUCKETS[:BUCKETS.index(_bucket(min(max_batch, BUCKETS[-1]))) + 1]:
+            for width in [*range(1, self.max_width + 1), *self.prefill_widths]:
+                key = (bucket, width, None)
+                if key not in self.graphs and (width <= self.max_width or bucket * width <= self.max_tokens):
+                    self.graphs[key] = _Graph(self.model, self.kv, bucket, width, self.pool, None,
+                                              logits=width <= self.max_width)
+        torch.cuda.synchronize()
+        log.info("captured %d CUDA graphs (batch up to %d) in %.1f s", len(self.graphs) - before, max_batch,
+                 time.perf_counter() - t0)
 
     def eligible(self, batch: int, width: int, last_only: bool = False) -> bool:
         """A graph serves this step: verify widths always; prefill widths (hidden states

@@ -12,7 +12,7 @@ from cluster.engine.tree import tree_layout
 
 class Runner:
     def __init__(self, model: CausalLM, kv: KVCache, attention: str = "auto", graph_width: int = 0,
-                 prefill_chunk: int = 0, max_tokens: int = 0):
+                 prefill_chunk: int = 0, max_tokens: int = 0, dense_to: int = 0):
         self.model = model
         self.kv = kv
         p = next(model.parameters())
@@ -23,7 +23,12 @@ class Runner:
         if graph_width and model.backend.name == "fa3":  # decode/verify steps up to this width
             from cluster.engine.graphs import GraphRunner
 
-            self.graphs = GraphRunner(model, kv, graph_width, prefill_chunk, max_tokens)
+            self.graphs = GraphRunner(model, kv, graph_width, prefill_chunk, max_tokens, dense_to)
+
+    def padded_width(self, width: int) -> int:
+        """The width a row of `width` tokens is padded to in a last-only pass (a graph's)."""
+        w = self.graphs._width(width) if self.graphs is not None else None
+        return w or width
 
     @torch.inference_mode()
     def forward(self, slots: list[int], cache_lens: list[int], tokens: list[list[int]],
@@ -65,7 +70,8 @@ class Runner:
         weight shape, seconds each on first use (5-22 s a GEMV shape on an H100; tuned lazily,
         single-stream draft calls took 3.6 and 10.4 s, and every stream waits on such a step).
         Eager passes (graphs are captured from the same pieces) of 1 and 2 rows of 1 and 2
-        tokens, all logits or the last row's, on the scratch slot."""
+        tokens, all logits or the last row's, on the scratch slot; then every CUDA graph of up
+        to a full batch (GraphRunner.capture_all)."""
         graphs, self.graphs = self.graphs, None
         scratch = self.kv.num_slots
         try:
@@ -75,5 +81,7 @@ class Runner:
                         self.forward([scratch] * b, [0] * b, [[0] * t] * b, last_only=last_only)
         finally:
             self.graphs = graphs
+        if graphs is not None:
+            graphs.capture_all(self.kv.num_slots)
         if self.device.type == "cuda":
             torch.cuda.synchronize()

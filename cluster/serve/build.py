@@ -12,13 +12,13 @@ from cluster.engine.model import compile_kernels, load_model, load_tokenizer
 def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
     ec = cfg.engine_config()
     model = load_model(resolve_model_path(cfg.models.draft), DTYPES[ec.dtype], ec.device)
-    fast = ec.compile and next(model.parameters()).is_cuda  # as the target's engine does (colocated)
-    if fast:
+    cuda = next(model.parameters()).is_cuda  # as the target's engine does (colocated)
+    if cuda and ec.compile:
         compile_kernels()
     drafter = ModelDrafter(model, num_slots=2 * ec.max_num_seqs, max_len=ec.max_model_len, gamma_max=ec.gamma_max,
                            look_ahead="auto" if ec.draft_look_ahead else None)
-    if fast:
-        drafter.runner.warm_up()  # kernel variants now, not in the middle of a step
+    if cuda:
+        drafter.runner.warm_up()  # kernel variants and CUDA graphs now, not in the middle of a step
     return drafter
 
 
