@@ -24,7 +24,7 @@ import torch
 
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.model import CausalLM
-from cluster.engine.runner import Runner
+from cluster.engine.runner import Runner, _device_ints
 from cluster.engine.sampling import SamplingParams, target_probs
 
 TOPK = 32  # support kept for sampled proposals; greedy proposals are one-hot
@@ -224,22 +224,63 @@ class ModelDrafter(Drafter):
         gens = [self.generators.setdefault(r.seq_id, _generator(r.params.seed, self.runner.device)) for r in reqs]
         logits = self._catch_up(slots, lens, feed)
         lens = [n + len(f) for n, f in zip(lens, feed)]
+        if all(r.params.greedy for r in reqs):
+            drafts = self._greedy_chain(reqs, slots, lens, logits)
+            for r, d in zip(reqs, drafts):  # one-hot proposals
+                out[r.seq_id][1].extend([t] for t in d)
+                out[r.seq_id][2].extend([1.0] for _ in d)
+        else:
+            drafts = self._sampled_chain(reqs, slots, lens, logits, gens, out)
+        for b, r in enumerate(reqs):
+            cached = r.token_ids + drafts[b][:-1]  # the last draft was never fed
+            self.state[r.seq_id] = (slots[b], cached[: lens[b]])
+            out[r.seq_id][0].extend(drafts[b])
+            # pad every position's support to the same K so arrays stay rectangular
+            width = max(len(x) for x in out[r.seq_id][1]) if drafts[b] else 0
+            out[r.seq_id][1][:] = [x + [x[0]] * (width - len(x)) for x in out[r.seq_id][1]]
+            out[r.seq_id][2][:] = [x + [0.0] * (width - len(x)) for x in out[r.seq_id][2]]
+
+    def _greedy_chain(self, reqs, slots, lens, logits) -> list[list[int]]:
+        """Every row's argmax fed back on the device, step after step, and one copy of all the
+        drafts to the host at the end: a draft step of a small model is a graph replay of tens
+        of microseconds, which a host round trip per step (argmax to the host, tokens back)
+        would double. Advances `lens` by the tokens fed."""
+        ks = [r.k for r in reqs]
+        picks = [logits.argmax(-1)]  # step j: [rows with k > j] drafts
+        rows = list(range(len(reqs)))
+        for step in range(1, max(ks)):
+            prev, idx = picks[-1], rows
+            rows = [b for b in rows if ks[b] > step]
+            if not rows:
+                break
+            fed = prev if len(rows) == len(idx) else prev[_device_ints([idx.index(b) for b in rows], prev.device)]
+            sub = self.runner.decode([slots[b] for b in rows], [lens[b] for b in rows], fed)
+            picks.append(sub.argmax(-1))
+            for b in rows:
+                lens[b] += 1
+        flat = torch.cat(picks).tolist()  # the one wait for the GPU
         drafts: list[list[int]] = [[] for _ in reqs]
-        greedy = all(r.params.greedy for r in reqs)
+        rows, at = list(range(len(reqs))), 0
+        for step in range(len(picks)):
+            rows = [b for b in rows if ks[b] > step]
+            for b in rows:
+                drafts[b].append(flat[at])
+                at += 1
+        return drafts
+
+    def _sampled_chain(self, reqs, slots, lens, logits, gens, out) -> list[list[int]]:
+        """Each row samples from its top-K-truncated distribution (on the host, with its own
+        generator: reproducible for a seed); greedy rows among them take the argmax."""
+        drafts: list[list[int]] = [[] for _ in reqs]
         for step in range(max(r.k for r in reqs)):
-            if greedy:  # one argmax and one copy to the host; no softmax over the vocabulary
-                best = logits.argmax(-1).tolist()
-            else:
-                probs = target_probs(logits, [r.params for r in reqs])
-                top_p, top_i = probs.topk(min(TOPK, probs.shape[-1]), dim=-1)
-                top_p = top_p / top_p.sum(-1, keepdim=True)
+            probs = target_probs(logits, [r.params for r in reqs])
+            top_p, top_i = probs.topk(min(TOPK, probs.shape[-1]), dim=-1)
+            top_p = top_p / top_p.sum(-1, keepdim=True)
             picks = []
             for b, r in enumerate(reqs):
                 if step >= r.k:
                     continue
-                if greedy:
-                    tok, ids, ps = best[b], [best[b]], [1.0]
-                elif r.params.greedy:
+                if r.params.greedy:
                     tok, ids, ps = int(top_i[b, 0]), [int(top_i[b, 0])], [1.0]
                 else:
                     j = int(torch.multinomial(top_p[b].cpu(), 1, generator=gens[b]))
@@ -259,14 +300,7 @@ class ModelDrafter(Drafter):
             logits[rows] = sub
             for b in rows:
                 lens[b] += 1
-        for b, r in enumerate(reqs):
-            cached = r.token_ids + drafts[b][:-1]  # the last draft was never fed
-            self.state[r.seq_id] = (slots[b], cached[: lens[b]])
-            out[r.seq_id][0].extend(drafts[b])
-            # pad every position's support to the same K so arrays stay rectangular
-            width = max(len(x) for x in out[r.seq_id][1]) if drafts[b] else 0
-            out[r.seq_id][1][:] = [x + [x[0]] * (width - len(x)) for x in out[r.seq_id][1]]
-            out[r.seq_id][2][:] = [x + [0.0] * (width - len(x)) for x in out[r.seq_id][2]]
+        return drafts
 
 
     def _catch_up(self, slots, lens, feed) -> torch.Tensor:

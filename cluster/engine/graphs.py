@@ -123,7 +123,25 @@ class GraphRunner:
         next replay); T = the longest row (a prefill width: its graph's T, and logits None).
         `num_layers` < all: an early-exit pass."""
         b, width = len(tokens), self._width(max(map(len, tokens)))
-        bucket = _bucket(b)
+        g = self._prepare(slots, cache_lens, tokens, width, num_layers)
+        g.graph.replay()
+        if width <= self.max_width:  # a prefill pass between pipelined decode steps keeps `last`
+            self.last = (g, b) if width == 1 and num_layers is None else None
+        return (None if g.out is None else g.out[:b]), g.hidden[:b]
+
+    @torch.inference_mode()
+    def decode(self, slots: list[int], cache_lens: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """A one-token step whose tokens ([B] int64) are already on the device: [B, V] logits
+        (a static buffer), with no host round trip. Leaves `last` alone (a drafter's chain)."""
+        b = len(slots)
+        g = self._prepare(slots, cache_lens, [()] * b, 1, None)
+        g.ids[:b, 0].copy_(tokens)
+        g.graph.replay()
+        return g.out[:b, 0]
+
+    def _prepare(self, slots, cache_lens, tokens, width: int, num_layers: int | None) -> _Graph:
+        """The graph for this step, its inputs copied in (rows' tokens, slots, lengths)."""
+        b, bucket = len(tokens), _bucket(len(tokens))
         key = (bucket, width, num_layers)
         g = self.graphs.get(key)
         if g is None:
@@ -141,10 +159,7 @@ class GraphRunner:
         host[n + bucket:n + bucket + b] = cache_lens
         g.inputs.copy_(g.host, non_blocking=True)
         g.copied.record()
-        g.graph.replay()
-        if width <= self.max_width:  # a prefill pass between pipelined decode steps keeps `last`
-            self.last = (g, b) if width == 1 and num_layers is None else None
-        return (None if g.out is None else g.out[:b]), g.hidden[:b]
+        return g
 
     @torch.inference_mode()
     def replay_next(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ class Runner:
         if self.graphs is not None and not tree and self.graphs.eligible(len(tokens), max(q_lens), last_only):
             logits, h = self.graphs.forward(slots, cache_lens, tokens, num_layers)
             if last_only:
-                last = torch.arange(len(tokens), device=self.device), torch.tensor(q_lens, device=self.device) - 1
+                last = torch.arange(len(tokens), device=self.device), _device_ints(q_lens, self.device) - 1
                 h = h[last]
                 logits = self.model.logits(h) if logits is None else logits[last]  # None: a prefill graph
             return (logits, h) if hidden else logits
@@ -62,6 +62,16 @@ class Runner:
         if last_only:
             h = h[torch.arange(len(tokens), device=self.device), ctx.q_lens - 1]
         return (self.model.logits(h), h) if hidden else self.model.logits(h)
+
+    @torch.inference_mode()
+    def decode(self, slots: list[int], cache_lens: list[int], tokens: torch.Tensor) -> torch.Tensor:
+        """One token a row whose ids ([B] int64) are already on the device, as a drafter's
+        greedy chain feeds its own argmax back: fp32 logits [B, V], no host round trip."""
+        if self.graphs is not None and self.graphs.eligible(len(slots), 1):
+            return self.graphs.decode(slots, cache_lens, tokens)
+        ctx = AttnContext.build(slots, cache_lens, [1] * len(slots), self.device)
+        h = self.model(tokens[:, None], ctx.positions, self.kv, ctx)
+        return self.model.logits(h[:, 0])
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -85,3 +95,10 @@ class Runner:
             graphs.capture_all(self.kv.num_slots)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+
+def _device_ints(xs: list[int], device) -> torch.Tensor:
+    """int64 tensor on `device` without waiting for the GPU: a plain torch.tensor(..., device=)
+    copies from pageable memory, which synchronises the stream."""
+    t = torch.tensor(xs, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t

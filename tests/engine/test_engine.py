@@ -273,3 +273,32 @@ def test_runner_warm_up_touches_only_the_scratch_slot(random_models, tokenizer):
     assert not torch.equal(warmed.kv.k[:, -1], torch.zeros_like(warmed.kv.k[:, -1]))  # it did run
     more = [DraftRequest(r.seq_id, r.token_ids + [5, 6, 7], 4) for r in reqs]
     assert warmed.propose(more).tokens == cold.propose(more).tokens
+
+
+def test_model_drafter_greedy_chain_is_the_draft_models_own_greedy_text(random_models, tokenizer):
+    """The greedy chain feeds each argmax back on the device (no host round trip per step):
+    its drafts are the draft model's greedy continuation under transformers, also for
+    rows asking for different numbers of tokens in one call, and again after a call that
+    extends the rows (the drafter's cache then holds their earlier drafts)."""
+    from transformers import AutoModelForCausalLM
+
+    from cluster.engine.drafter import DraftRequest
+
+    path = random_models["llama_draft"]
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    drafter = ModelDrafter(load_model(path, torch.float32, "cpu"), 8, 256)
+
+    def greedy(ids, k):  # argmax after argmax (generate's processors would mask EOS, a legal draft)
+        out = list(ids)
+        with torch.no_grad():
+            for _ in range(k):
+                out.append(int(ref(torch.tensor([out])).logits[0, -1].argmax()))
+        return out[len(ids):]
+
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    for ks in ([4, 1, 6, 3], [2, 5, 5, 1]):
+        reqs = [DraftRequest(f"s{i}", p, k) for i, (p, k) in enumerate(zip(ids, ks))]
+        got = drafter.propose(reqs)
+        assert got.tokens == [greedy(p, k) for p, k in zip(ids, ks)]
+        assert all(q.shape == (k, 1) and (p == 1.0).all() for q, p, k in zip(got.q_ids, got.q_probs, ks))
+        ids = [p + t[:2] for p, t in zip(ids, got.tokens)]  # two drafts accepted, the rest rejected
