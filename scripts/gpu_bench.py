@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -48,7 +49,7 @@ def log(*a, R: dict | None = None):
     if R is not None and os.environ.get("SWEEP_ONLY") != "1":
         os.makedirs(OUT, exist_ok=True)
         with open(os.path.join(OUT, "gpu_bench.json"), "w") as f:
-            json.dump({**R, "partial": True}, f, indent=2)
+            f.write(dumps({**R, "partial": True}))
 
 
 def decode_rate(engine, prompts, spec, drafter=None, new=256) -> dict:
@@ -350,13 +351,20 @@ def profiled(name: str, fn):
     return out
 
 
+def dumps(R: dict) -> str:
+    """Indented JSON with each list of numbers on one line: a per-step trace row is one line,
+    not nine (the traces of a full run are ~5000 rows)."""
+    flat = lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]"  # noqa: E731
+    return re.sub(r"\[\s+([-+\d.eE,\s]+?)\s+\]", flat, json.dumps(R, indent=2))
+
+
 def _write(R: dict, name: str) -> int:
     from cluster.engine import gemv
 
     R["gemv_max_rows"] = gemv.MAX_ROWS  # 1: multi-row projections (verify) on cuBLAS
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, name), "w") as f:
-        json.dump(R, f, indent=2)
+        f.write(dumps(R))
     log("done")
     return 0
 

@@ -195,15 +195,14 @@ class ModelDrafter(Drafter):
 
     def propose(self, requests: list[DraftRequest]) -> DraftOutput:
         t0 = time.perf_counter()
-        new = [len(r.token_ids) - len(self.state.get(r.seq_id, (0, []))[1]) for r in requests]
         live = [r for r in requests if r.k > 0 and len(r.token_ids) + r.k <= self.max_len]
         out = {r.seq_id: ([], [], []) for r in requests}
         if live:
             self._propose(live, out)
         took = time.perf_counter() - t0
         if took > 1.0:  # a step is milliseconds: say what this one was asked to do
-            log.warning("draft call took %.1f s: %d rows, k %s, new tokens %s", took, len(live),
-                        sorted({r.k for r in live}), sorted(new)[-8:])
+            log.warning("draft call took %.1f s: %d rows, k %s, longest row %d tokens", took, len(live),
+                        sorted({r.k for r in live}), max((len(r.token_ids) for r in live), default=0))
         toks, ids, probs = zip(*(out[r.seq_id] for r in requests))
         # rows with no drafts (k = 0, too long) get [0, 1] arrays, as every drafter's empty rows
         return DraftOutput(list(toks), [np.asarray(i, np.int32).reshape(len(t), -1 if t else 1) for i, t in zip(ids, toks)],
@@ -221,7 +220,6 @@ class ModelDrafter(Drafter):
             slots.append(slot)
             lens.append(n)
             feed.append(r.token_ids[n:])
-        gens = [self.generators.setdefault(r.seq_id, _generator(r.params.seed, self.runner.device)) for r in reqs]
         logits = self._catch_up(slots, lens, feed)
         lens = [n + len(f) for n, f in zip(lens, feed)]
         if all(r.params.greedy for r in reqs):
@@ -230,6 +228,9 @@ class ModelDrafter(Drafter):
                 out[r.seq_id][1].extend([t] for t in d)
                 out[r.seq_id][2].extend([1.0] for _ in d)
         else:
+            # a row's generator is made on its first sampled draft (seeded: the same stream)
+            gens = [self.generators.get(r.seq_id) or self.generators.setdefault(r.seq_id, _generator(r.params.seed))
+                    for r in reqs]
             drafts = self._sampled_chain(reqs, slots, lens, logits, gens, out)
         for b, r in enumerate(reqs):
             cached = r.token_ids + drafts[b][:-1]  # the last draft was never fed
@@ -333,7 +334,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _generator(seed: int | None, device) -> torch.Generator:
+def _generator(seed: int | None) -> torch.Generator:
     g = torch.Generator(device="cpu")
     g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
     return g
