@@ -26,17 +26,15 @@ import triton
 import triton.language as tl
 
 PRO_NONE, PRO_RMSNORM, PRO_SILU = 0, 1, 2
-MAX_ROWS = 1  # one token row (batch-1 decode); more rows go to cuBLAS: with them a gamma=4
-              # verify costs 1.13-1.19 decode steps. Tried for 2..8 rows: a padded 16-row
-              # tensor-core tile (tl.dot, 30 autotuned configs) cost 1.97; each weight tile
-              # applied to every row on the CUDA cores won at 2 rows only (6.71 against 6.94 ms)
-              # and lost from 3 (4 rows 8.55 ms, 8 rows 13.6 against 7.26): the FMAs, not the
-              # weight stream, bound it (H100, benchmarks/gpu/h100/gpu_gemv_rows_cuda_cores.json,
-              # scripts/gpu_gemv_rows.py at commit 2d95708).
+# Rows a call may have: 1 row -> _gemv; 2..MAX_ROWS -> _gemm_rows (tensor cores, the weight tile
+# as the MMA's wide operand: "swap AB"); more -> cuBLAS. GEMV_MAX_ROWS=1 keeps cuBLAS for every
+# multi-row call (to compare the two in one run: scripts/gpu_gemm_rows.py).
+MAX_ROWS = int(os.environ.get("GEMV_MAX_ROWS", "16"))
+_ONE = os.environ.get("GEMV_CONFIGS") == "one"  # the CPU interpreter test: no autotuning
 
 
 def _configs():
-    if os.environ.get("GEMV_CONFIGS") == "one":  # the CPU interpreter test: no autotuning
+    if _ONE:
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 128}, num_warps=4, num_stages=2)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
             for bn in (4, 8, 16) for bk in (128, 256, 512, 1024) for w in (4, 8) for st in (2, 3)
@@ -86,22 +84,100 @@ def _gemv(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, N, K, eps,
     tl.store(y_ptr + rn, out.to(out_ty), mask=nmask)
 
 
+def _rows_configs():
+    if _ONE:
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 64}, num_warps=4, num_stages=2)]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+            for bn in (16, 32, 64, 128) for bk in (64, 128, 256) for w in (4, 8) for st in (3, 4, 5)
+            if 2048 <= bn * bk <= 16384]
+
+
+@triton.jit
+def _gemm_rows_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, M, N, K, stride_x, stride_r, eps,
+                      PRO: tl.constexpr, RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr = 16):
+    """_gemv for 2..16 rows (x: [M, K], or [M, 2K] for SiLU; y, res: [M, N]). The weight tile
+    [BLOCK_N, BLOCK_K] is the MMA's first operand as it lies in memory (K contiguous), the
+    few rows, padded to 16, the second: y^T = W x^T. Tensor cores do the FMAs, which for
+    3+ rows on the CUDA cores bounded the kernel (the reverted _gemv_rows, commit 2d95708)."""
+    rm = tl.arange(0, BLOCK_M)  # rows past M load as 0 (no memory traffic) and are not stored
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = rm < M
+    nmask = rn < N
+    out_ty = y_ptr.dtype.element_ty
+    if PRO == 1:  # rstd of each row, as in _gemv
+        ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+        for kb in range(0, K // BLOCK_K):
+            rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            xv = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mmask[:, None], other=0.0)
+            ss += xv.to(tl.float32) * xv.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for kb in range(0, K // BLOCK_K):  # K % BLOCK_K == 0 (configs are pruned to fit)
+        rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        xp = x_ptr + rm[:, None] * stride_x + rk[None, :]
+        xv = tl.load(xp, mask=mmask[:, None], other=0.0)
+        if PRO == 1:
+            nw = tl.load(nw_ptr + rk).to(tl.float32)[None, :]
+            xv = (xv.to(tl.float32) * rstd * nw).to(out_ty)
+        if PRO == 2:  # x holds [gate | up], 2K wide
+            up = tl.load(xp + K, mask=mmask[:, None], other=0.0)
+            g = xv.to(tl.float32)
+            s = (g * tl.sigmoid(g)).to(out_ty)
+            xv = (s.to(tl.float32) * up.to(tl.float32)).to(out_ty)
+        w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=nmask[:, None], other=0.0,
+                    eviction_policy="evict_first")  # streamed once: keep L2 for x
+        if out_ty == tl.float32:  # fp32 models: exact products, as cuBLAS without TF32
+            acc = tl.dot(w, tl.trans(xv), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(xv), acc)
+    out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    ymask = mmask[:, None] & nmask[None, :]
+    if RES:  # before the one rounding, as _gemv and cuBLAS's addmm
+        out += tl.load(res_ptr + rm[:, None] * stride_r + rn[None, :], mask=ymask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rm[:, None] * N + rn[None, :], out.to(out_ty), mask=ymask)
+
+
+_gemm_rows = triton.autotune(configs=_rows_configs(), key=["N", "K", "PRO", "RES", "HAS_BIAS"],
+                             prune_configs_by={"early_config_prune": _prune})(_gemm_rows_kernel)
+
+
 def supported(k: int) -> bool:
     return k % 128 == 0  # some BLOCK_K divides K (the loop has no tail)
 
 
+def _rows(t: torch.Tensor, m: int) -> torch.Tensor:
+    t = t.reshape(m, -1)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def fused_linear(x: torch.Tensor, w: torch.Tensor, bias=None, norm=None, eps: float = 0.0,
-                 silu: bool = False, residual=None) -> torch.Tensor:
-    """y = [residual +] linear([rms_norm | silu_mul](x)) for one row; x: [..., K or 2K],
-    w: [N, K] (nn.Linear layout), contiguous."""
+                 silu: bool = False, residual=None, config: dict | None = None) -> torch.Tensor:
+    """y = [residual +] linear([rms_norm | silu_mul](x)) for up to MAX_ROWS token rows;
+    x: [..., K or 2K], w: [N, K] (nn.Linear layout), contiguous. `config`: run _gemm_rows with
+    these meta-parameters instead of the tuned ones (scripts/gpu_gemm_rows.py)."""
     lead = x.shape[:-1]
     n, k = w.shape
-    assert x.numel() // x.shape[-1] == 1 and w.is_contiguous()
-    x1 = x.reshape(-1).contiguous()
-    y = torch.empty((n,), dtype=x.dtype, device=x.device)
-    res = residual.reshape(n) if residual is not None else y
+    m = x.numel() // x.shape[-1]
+    assert 1 <= m <= max(1, MAX_ROWS) and w.is_contiguous()
     pro = PRO_SILU if silu else PRO_RMSNORM if norm is not None else PRO_NONE
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-    _gemv[grid](x1, w, bias if bias is not None else w, norm if norm is not None else w, res, y, n, k, eps,
-                PRO=pro, RES=residual is not None, HAS_BIAS=bias is not None)
+    b, nw = bias if bias is not None else w, norm if norm is not None else w
+    if m == 1:
+        x1 = x.reshape(-1).contiguous()
+        y = torch.empty((n,), dtype=x.dtype, device=x.device)
+        res = residual.reshape(n) if residual is not None else y
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        _gemv[grid](x1, w, b, nw, res, y, n, k, eps, PRO=pro, RES=residual is not None, HAS_BIAS=bias is not None)
+        return y.view(*lead, n)
+    x2 = _rows(x, m)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    res = _rows(residual, m) if residual is not None else y
+    args = (x2, w, b, nw, res, y, m, n, k, x2.stride(0), res.stride(0), eps)
+    flags = dict(PRO=pro, RES=residual is not None, HAS_BIAS=bias is not None)
+    if config is None:
+        _gemm_rows[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+    else:
+        _gemm_rows_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](*args, **flags, **config)
     return y.view(*lead, n)

@@ -87,17 +87,18 @@ KERNELS = {"rope": rope, "rms_norm": rms_norm, "silu_mul": silu_mul, "linear": l
 def compile_kernels() -> None:
     """GPU fast path. Elementwise pieces fused by torch.compile (a decode step is otherwise
     dozens of tiny kernels per layer), compiled once per shape family and shared by all
-    layers; one-row projections (batch-1 decode) by the Triton GEMV, wider ones on cuBLAS.
+    layers; projections of up to 16 token rows (batch-1 decode and verify, small batches) by the
+    Triton kernels in cluster.engine.gemv, wider ones on cuBLAS.
     Process-wide and idempotent: the target and a drafter in one process share it."""
     if KERNELS["linear"] is not linear:
         return
     for name in ("rope", "rms_norm", "silu_mul"):
         KERNELS[name] = torch.compile(KERNELS[name], dynamic=True)
-    from cluster.engine.gemv import MAX_ROWS, fused_linear, supported
+    from cluster.engine import gemv
 
     def gpu_linear(x, w, bias=None, norm=None, eps=0.0, silu=False, residual=None):
-        if x.numel() // x.shape[-1] <= MAX_ROWS and x.is_cuda and supported(w.shape[1]):
-            return fused_linear(x, w, bias, norm, eps, silu, residual)
+        if x.numel() // x.shape[-1] <= gemv.MAX_ROWS and x.is_cuda and gemv.supported(w.shape[1]):
+            return gemv.fused_linear(x, w, bias, norm, eps, silu, residual)
         if residual is not None and bias is None and x.is_cuda:
             # the residual add as cuBLAS's epilogue (C + A @ B): one kernel, not two, per
             # o_proj and down_proj; 64 fewer small kernels in an 8B verify or prefill pass

@@ -1,6 +1,6 @@
-"""fused_linear (cluster/engine/gemv.py, the batch-1 decode projection) against the eager
-composition in model.py, on CPU through Triton's interpreter: every prologue, with and
-without bias and residual. Run by tests/engine/test_gemv.py in a process of its own, since
+"""fused_linear (cluster/engine/gemv.py: the one-row GEMV and the 2..16-row tensor-core kernel)
+against the eager composition in model.py, on CPU through Triton's interpreter: 1 and 5 rows,
+every prologue, with and without bias and residual; 2 and 16 rows of different scales. Run by tests/engine/test_gemv.py in a process of its own, since
 Triton reads TRITON_INTERPRET once, when it is first imported:
 
     TRITON_INTERPRET=1 GEMV_CONFIGS=one python tests/engine/gemv_check.py
@@ -77,17 +77,26 @@ def main() -> int:
 
     assert len(gemv._gemv.configs) == 1
     cases = 0
-    for pro, bias, res in itertools.product(("none", "rmsnorm", "silu"), (False, True), (False, True)):
-        g = torch.Generator().manual_seed(len(pro) * 10 + bias * 2 + res)
-        x = torch.randn(1, 1, 2 * K if pro == "silu" else K, generator=g)
+    assert len(gemv._gemm_rows.configs) == 1
+    for rows, pro, bias, res in itertools.product((1, 5), ("none", "rmsnorm", "silu"), (False, True), (False, True)):
+        g = torch.Generator().manual_seed(rows * 100 + len(pro) * 10 + bias * 2 + res)
+        x = torch.randn(1, rows, 2 * K if pro == "silu" else K, generator=g)
         w = torch.randn(N, K, generator=g) / K ** 0.5
         b = torch.randn(N, generator=g) if bias else None
         nw = 1 + 0.1 * torch.randn(K, generator=g) if pro == "rmsnorm" else None
-        r = torch.randn(1, 1, N, generator=g) if res else None
+        r = torch.randn(1, rows, N, generator=g) if res else None
         y = gemv.fused_linear(x, w, b, nw, EPS, pro == "silu", r)
-        assert y.shape == (1, 1, N)
+        assert y.shape == (1, rows, N)
         torch.testing.assert_close(y, eager(model, x, w, b, nw, pro == "silu", r), atol=1e-4, rtol=1e-4,
-                                   msg=lambda m: f"{pro=} {bias=} {res=}: {m}")
+                                   msg=lambda m: f"{rows=} {pro=} {bias=} {res=}: {m}")
+        cases += 1
+    for rows in (2, 16):  # the fewest and the most rows _gemm_rows takes; rows of different scale
+        g = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, K, generator=g) * torch.arange(1, rows + 1)[:, None]
+        w, nw = torch.randn(N, K, generator=g) / K ** 0.5, 1 + 0.1 * torch.randn(K, generator=g)
+        r = torch.randn(rows, N, generator=g)
+        torch.testing.assert_close(gemv.fused_linear(x, w, None, nw, EPS, False, r),
+                                   eager(model, x, w, None, nw, False, r), atol=1e-4, rtol=1e-4)
         cases += 1
     try:
         gemv.fused_linear(torch.randn(gemv.MAX_ROWS + 1, K), torch.randn(N, K))
