@@ -1,13 +1,15 @@
-"""Matrix-vector products (one token row: batch-1 decode) as one Triton kernel that
-streams each weight once, with the layer's neighbours fused in.
+"""Token-row projections as Triton kernels that stream each weight once, with the layer's
+neighbours fused in: _gemv for one row (batch-1 decode), _gemm_rows for 2..16 rows (a
+batch-1 verify of gamma drafts, small decode batches).
 
-Why: at batch 1 a decode step is weight bandwidth and little else, so what costs is the
-small kernels between the weight streams. The kernel takes the RMSNorm before a projection
+Why: at a few rows a step is weight bandwidth and little else, so what costs is the small
+kernels between the weight streams. The kernels take the RMSNorm before a projection
 (prologue), SiLU(gate) * up before down_proj (prologue) and the residual add after
 (epilogue), so a layer is four weight streams and few small kernels in between. On an H100
-(8B shape) a step went from 721 to 274 kernels and 7.81 to 6.40 ms; the projections
+(8B shape) a decode step went from 721 to 274 kernels and 7.81 to 6.40 ms; the projections
 themselves from 5.58 ms (cuBLAS) to 5.28 ms, against 5.01 ms of weights at copy bandwidth
-(benchmarks/gpu/h100/gpu_profile*.json, scripts/gpu_profile.py).
+(benchmarks/gpu/h100/gpu_profile*.json, scripts/gpu_profile.py). _gemm_rows against cuBLAS
+per projection and per step: benchmarks/gpu/h100/gemm_rows/.
 
 Rounding follows the eager reference step by step (fp32 norm times weight, cast; SiLU cast,
 times up, cast) up to the residual, which is added in fp32 before the output's one rounding,
@@ -87,9 +89,11 @@ def _gemv(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, N, K, eps,
 def _rows_configs():
     if _ONE:
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 64}, num_warps=4, num_stages=2)]
+    # The winners of a 60-config sweep on an H100 for every 8B projection at 2..16 rows
+    # (scripts/gpu_gemm_rows.py); few, so start-up tuning stays short.
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-            for bn in (16, 32, 64, 128) for bk in (64, 128, 256) for w in (4, 8) for st in (3, 4, 5)
-            if 2048 <= bn * bk <= 16384]
+            for bn, bk, w, st in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 5), (64, 256, 4, 4),
+                                  (64, 128, 4, 5), (64, 256, 8, 4), (32, 256, 4, 4), (16, 256, 4, 4))]
 
 
 @triton.jit
@@ -144,8 +148,12 @@ _gemm_rows = triton.autotune(configs=_rows_configs(), key=["N", "K", "PRO", "RES
                              prune_configs_by={"early_config_prune": _prune})(_gemm_rows_kernel)
 
 
-def supported(k: int) -> bool:
-    return k % 128 == 0  # some BLOCK_K divides K (the loop has no tail)
+def supported(m: int, n: int, k: int) -> bool:
+    """Whether fused_linear takes m rows of x @ w.T (w: [n, k]). One row: any K some BLOCK_K
+    divides (the loop has no tail). More: also K <= 2N, since _gemm_rows has no split-K and
+    a long K over few column tiles leaves SMs idle: the 8B down_proj (K 14336, N 4096) at 5
+    rows took 0.079 ms against cuBLAS's 0.055 (its SiLU kernel included), so it stays there."""
+    return k % 128 == 0 and (m == 1 or (m <= MAX_ROWS and k <= 2 * n))
 
 
 def _rows(t: torch.Tensor, m: int) -> torch.Tensor:
@@ -161,7 +169,7 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, bias=None, norm=None, eps: fl
     lead = x.shape[:-1]
     n, k = w.shape
     m = x.numel() // x.shape[-1]
-    assert 1 <= m <= max(1, MAX_ROWS) and w.is_contiguous()
+    assert 1 <= m <= max(1, MAX_ROWS) and k % 128 == 0 and w.is_contiguous()
     pro = PRO_SILU if silu else PRO_RMSNORM if norm is not None else PRO_NONE
     b, nw = bias if bias is not None else w, norm if norm is not None else w
     if m == 1:

@@ -97,7 +97,7 @@ def compile_kernels() -> None:
     from cluster.engine import gemv
 
     def gpu_linear(x, w, bias=None, norm=None, eps=0.0, silu=False, residual=None):
-        if x.numel() // x.shape[-1] <= gemv.MAX_ROWS and x.is_cuda and gemv.supported(w.shape[1]):
+        if x.is_cuda and gemv.supported(x.numel() // x.shape[-1], *w.shape):
             return gemv.fused_linear(x, w, bias, norm, eps, silu, residual)
         if residual is not None and bias is None and x.is_cuda:
             # the residual add as cuBLAS's epilogue (C + A @ B): one kernel, not two, per
