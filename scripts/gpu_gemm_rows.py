@@ -10,7 +10,8 @@
    2..16 rows, with the kernel (GEMV_MAX_ROWS 16) and with cuBLAS (1).
 
     bash .device-bundle/unpack.sh; PYTHONPATH=/tmp/site:$PWD python3 scripts/gpu_gemm_rows.py
-    # writes $OUT/gpu_gemm_rows.json
+    # writes $OUT/gpu_gemm_rows.json; then, anywhere:
+    python3 scripts/gpu_gemm_rows.py plot benchmarks/gpu/h100/gemm_rows/gpu_gemm_rows.json
 """
 
 from __future__ import annotations
@@ -156,5 +157,44 @@ def main() -> int:
     return 0
 
 
+def plot(path: str) -> None:
+    """Per projection at 5 rows (a gamma-4 verify) and verify step time by width, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    R = json.load(open(path))
+    K = R["kernels"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    names = list(SHAPES)
+    bars = {"weights at copy bandwidth": [K[f"{n}/5"]["ideal_ms"] for n in names],
+            "cuBLAS (+ eager norm / SiLU), 5 rows": [K[f"{n}/5"]["cublas_ms"] for n in names],
+            "gemm_rows kernel, 5 rows": [K[f"{n}/5"]["best_ms"] for n in names],
+            "gemv kernel, 1 row": [K[f"{n}/1"]["gemv_ms"] for n in names]}
+    for i, (label, ys) in enumerate(bars.items()):
+        a.bar([j + 0.2 * i for j in range(len(names))], [y / K[f"{n}/5"]["ideal_ms"]
+              for y, n in zip(ys, names)], 0.2, label=label)
+    a.set_xticks([j + 0.3 for j in range(len(names))],
+                 [n + ("\n(stays cuBLAS)" if K[f"{n}/5"].get("used") == "cublas" else "") for n in names])
+    a.set_ylabel("time / ideal (lower is better)")
+    a.set_title(f"8B projections, {R['device']}")
+    a.legend(fontsize=8)
+    w = list(range(1, 10))
+    for rows, label in ((16, "gemm_rows kernel up to 16 rows"), (1, "cuBLAS beyond 1 row")):
+        b.plot(w, [R[f"max_rows_{rows}"][f"verify{i}"] for i in w], "o-", label=label)
+    b.axhline(R["max_rows_16"]["verify1"] * 1.15, ls="--", c="gray", label="1.15 x decode step")
+    b.set_xlabel("tokens in the batch-1 step (1 = decode, 5 = gamma-4 verify)")
+    b.set_ylabel("ms (CUDA graph)")
+    b.set_title("batch-1 step time, 8B shape")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    out = str(Path(path).with_suffix(".png"))
+    fig.savefig(out, dpi=110)
+    print("wrote", out)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["plot"]:
+        sys.exit(plot(sys.argv[2]))
     sys.exit(main())
