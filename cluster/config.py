@@ -68,6 +68,10 @@ class EngineSection(_Strict):
     """Tokens per prefix block (the unit of the block hash and the KV directory)."""
     prefix_cache_blocks: int = Field(512, ge=0)
     """Prompt blocks kept for reuse per replica; 0 disables the prefix cache."""
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """KV cache element type: auto (the model's dtype) or fp8 (e4m3 with per-layer scales
+    calibrated at start-up; on FA3 attention itself runs in fp8). Half the cache bytes;
+    accuracy in benchmarks/gpu/h100/fp8."""
     compile: bool = False
     """GPU fast path: Triton GEMV with fused norm/SiLU/residual for batch-1 steps and
     torch.compile'd elementwise kernels (CUDA only; ignored on CPU). Costs warm-up time."""

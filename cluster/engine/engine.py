@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from cluster.engine.drafter import DraftOutput, Drafter
+from cluster.engine import fp8
 from cluster.engine.drafting import DraftPlanner
 from cluster.engine.hashing import model_seed
 from cluster.engine.kv_cache import KVCache
@@ -53,8 +54,11 @@ class Engine:
         p = next(model.parameters())
         # spare positions past max_model_len: padded rows of a step (see attention.Fa3Backend)
         capacity = self.max_model_len + max(cfg.prefill_chunk, cfg.gamma_max + 1)
-        self.kv = KVCache(s.layers, cfg.max_num_seqs, capacity, s.kv_heads, s.head_dim, p.dtype, p.device,
+        kv_dtype = fp8.FP8 if cfg.kv_cache_dtype == "fp8" else p.dtype
+        self.kv = KVCache(s.layers, cfg.max_num_seqs, capacity, s.kv_heads, s.head_dim, kv_dtype, p.device,
                           cfg.block_size, cfg.prefix_cache_blocks, model_seed(identity))
+        if cfg.kv_cache_dtype == "fp8":
+            self.kv.scales = fp8.calibrate(model, fp8.calibration_tokens(tokenizer), cfg.max_num_seqs + 1)
         if cfg.compile and p.device.type == "cuda":
             compile_kernels()
         graph_width = cfg.gamma_max + 1 if cfg.cuda_graphs and p.device.type == "cuda" else 0

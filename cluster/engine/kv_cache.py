@@ -41,6 +41,8 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.num_slots = num_slots
+        # fp8 caches: [layers, 3 (q, k, v), num_slots + 1, kv_heads] fp32 scales (cluster.engine.fp8)
+        self.scales: torch.Tensor | None = None
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.block_size = block_size
         self.seed = seed

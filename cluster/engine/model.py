@@ -94,7 +94,9 @@ def compile_kernels() -> None:
         return
     for name in ("rope", "rms_norm", "silu_mul"):
         KERNELS[name] = torch.compile(KERNELS[name], dynamic=True)
-    from cluster.engine import gemv
+    from cluster.engine import fp8, gemv
+
+    fp8.KERNELS["quantize_qkv"] = torch.compile(fp8.quantize_qkv, dynamic=True)
 
     def gpu_linear(x, w, bias=None, norm=None, eps=0.0, silu=False, residual=None):
         if x.is_cuda and gemv.supported(x.numel() // x.shape[-1], *w.shape):
@@ -138,15 +140,15 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(s.hidden, s.head_dim * (s.heads + 2 * s.kv_heads), bias=s.qkv_bias)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
 
-    def forward(self, h, norm: "RMSNorm", rot, backend, k_cache, v_cache, ctx):
-        """h + attention(norm(h))."""
+    def forward(self, h, norm: "RMSNorm", rot, backend, k_cache, v_cache, ctx, scale=None):
+        """h + attention(norm(h)); `scale`: the layer's fp8 scales when the cache is fp8."""
         B, T, _ = h.shape
         s, lin = self.s, KERNELS["linear"]
         qkv = lin(h, self.qkv_proj.weight, self.qkv_proj.bias, norm.weight, norm.eps)
         qkv = qkv.view(B, T, s.heads + 2 * s.kv_heads, s.head_dim)
         qk = KERNELS["rope"](qkv[:, :, : s.heads + s.kv_heads], *rot)  # q and k rotated in one op
         q, k = qk.split([s.heads, s.kv_heads], dim=2)
-        out = backend(q.contiguous(), k, qkv[:, :, s.heads + s.kv_heads:], k_cache, v_cache, ctx)
+        out = backend(q.contiguous(), k, qkv[:, :, s.heads + s.kv_heads:], k_cache, v_cache, ctx, scale)
         return lin(out.reshape(B, T, -1), self.o_proj.weight, residual=h)
 
 
@@ -199,7 +201,8 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         rot = self.rotary(positions)
         for i, layer in enumerate(self.layers[:num_layers]):
-            h = layer.self_attn(h, layer.input_layernorm, rot, self.backend, kv.k[i], kv.v[i], ctx)
+            scale = kv.scales[i] if kv.scales is not None else None
+            h = layer.self_attn(h, layer.input_layernorm, rot, self.backend, kv.k[i], kv.v[i], ctx, scale)
             h = layer.mlp(h, layer.post_attention_layernorm)
         return self.norm(h)
 

@@ -33,6 +33,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     attention: str = "auto"         # auto | fa3 | sdpa
+    kv_cache_dtype: str = "auto"    # auto (the model's dtype) | fp8 (e4m3, cluster.engine.fp8)
     cuda_graphs: bool = True        # capture decode/verify steps (FA3 on CUDA only)
     compile: bool = False           # torch.compile the elementwise kernels (CUDA only)
     draft_look_ahead: bool = True   # a GPU model drafter drafts the next step during the verify
@@ -43,6 +44,8 @@ class EngineConfig:
                 raise ValueError(f"engine.{name} must be >= 1")
         if not 0 <= self.gamma <= self.gamma_max:
             raise ValueError(f"engine.gamma must be in [0, gamma_max={self.gamma_max}]")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"engine.kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.max_batch_tokens < self.gamma_max + 1:
             raise ValueError("engine.max_batch_tokens must hold one row of gamma_max + 1 tokens")
 
