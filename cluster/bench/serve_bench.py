@@ -67,7 +67,9 @@ def local(prompts, args) -> dict:
 def _step_split(before: dict, after: dict) -> dict:
     """Mean milliseconds per verify step spent waiting for drafts and in the verify pass."""
     steps = max(1, after["verify_steps"] - before["verify_steps"])
-    return {f"{k}_ms_per_step": 1e3 * (after[f"{k}_s"] - before[f"{k}_s"]) / steps for k in ("draft", "verify")}
+    out = {f"{k}_ms_per_step": 1e3 * (after[f"{k}_s"] - before[f"{k}_s"]) / steps
+           for k in ("draft", "verify", "draft_compute")}
+    return {**out, **{k: after[k] - before[k] for k in ("ahead_hits", "ahead_misses")}}
 
 
 def _base(args) -> dict:

@@ -41,8 +41,10 @@ class DraftPlanner:
                  probe_every: int = 64):
         self.drafters, self.default = drafters, default
         self.ahead: dict[str, _Ahead] = {}
-        self.counts = {"ahead_hits": 0, "ahead_misses": 0, "failures": 0}
-        self.hit_rate = 1.0  # EWMA of look-ahead hits per row; optimistic until measured
+        # draft_compute_s: the drafter's own seconds in the calls whose replies steps took,
+        # look-ahead ones included (against draft_s it shows a remote drafter's round trips)
+        self.counts = {"ahead_hits": 0, "ahead_misses": 0, "failures": 0, "draft_compute_s": 0.0}
+        self.hit_rate: dict[str, float] = {}  # per drafter: EWMA of look-ahead hits per row, from 1.0
         self.min_hit_rate, self.probe_every = min_hit_rate, probe_every
         self.steps = 0
 
@@ -66,13 +68,14 @@ class DraftPlanner:
 
     def ask_ahead(self, rows: list[tuple[Sequence, int]], out: DraftOutput) -> None:
         """Call once this step's verify pass is launched: the next step's drafts, guessed."""
-        gated = self.hit_rate >= self.min_hit_rate or self.steps % self.probe_every == 0
+        probe = self.steps % self.probe_every == 0
         groups: dict[str, list[int]] = {}
         for b, (s, g) in enumerate(rows):
             if g > 0:
                 groups.setdefault(s.drafter or self.default, []).append(b)
         for name, idx in groups.items():
             mode = self.drafters[name].look_ahead
+            gated = self.hit_rate.get(name, 1.0) >= self.min_hit_rate or probe
             if (mode == "free" and len(idx) == 1) or (mode == "gated" and gated):
                 self._ask_ahead(name, idx, rows, out)
 
@@ -93,7 +96,9 @@ class DraftPlanner:
 
     def _result(self, name: str, fut: Future) -> DraftOutput | None:
         try:
-            return fut.result()
+            res = fut.result()
+            self.counts["draft_compute_s"] += res.seconds
+            return res
         except Exception as e:  # the drafter is disposable: plain decoding for these rows
             self.counts["failures"] += 1
             log.warning("drafter %s failed (%s); decoding without drafts this step", name, e)
@@ -117,7 +122,8 @@ class DraftPlanner:
             else:
                 rest.append(b)
                 self.counts["ahead_misses"] += 1
-            self.hit_rate += 0.1 * (hit - self.hit_rate)
+            rate = self.hit_rate.get(name, 1.0)
+            self.hit_rate[name] = rate + 0.1 * (hit - rate)
         return rest
 
     def _ask_ahead(self, name: str, idx: list[int], rows, out: DraftOutput) -> None:
