@@ -8,19 +8,26 @@ bears the assumption out, the next step starts with its drafts already in hand; 
 they are dropped and drafted fresh. Either way the verifier decides every token, so the
 guess only ever costs time.
 
-For a drafter in another process ("gated") a miss is not free: the replica serves calls in
-order, so the fresh call queues behind the look-ahead one. Looking ahead there stays on only
-while its measured hit rate pays for that (above `min_hit_rate`), and is re-tried every
-`probe_every` steps. A drafter on its own CUDA stream ("free") drafts while the host would
-only wait for the verify pass, so it looks ahead whenever it drafts a single row: on an H100
-(8B shape, gamma 4) that took batch-1 speculation from 396 to 445 tokens/s, while with 4
-rows it halved the speculative throughput and with 16 the run stalled (not yet understood;
-benchmarks/gpu/h100/gpu_bench_lookahead_all_rows.log).
+For a drafter in another process ("gated") a miss costs only if the guessed call is still
+running when the verify pass ends: the fresh call waits for it (the replica serves calls in
+order). So looking ahead stays on while what hits save pays for what misses wait:
+hit rate x (wait for a fresh draft) >= miss rate x (wait for a guessed reply that then
+missed), each an average per drafter, re-tried every `probe_every` steps when off. At batch 1
+on a GPU the guessed reply is back long before the verify ends (H100, 8B shape: a 3 ms call
+against a 7 ms verify), so every hit is a step without waiting for the drafter; a batch
+whose draft call outlasts the verify turns it off. A gate on the hit rate alone (0.35)
+turned it off there after a few steps at a 0.375 hit rate
+(benchmarks/serve_gpu/h100_8b_mps). A drafter on its own CUDA stream ("free") drafts while
+the host would only wait for the verify pass, so it looks ahead whenever it drafts a single
+row: on an H100 (8B shape, gamma 4) that took batch-1 speculation from 396 to 445 tokens/s,
+while with 4 rows it halved the speculative throughput and with 16 the run stalled (not yet
+understood; benchmarks/gpu/h100/gpu_bench_lookahead_all_rows.log).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -36,16 +43,24 @@ class _Ahead:
     rows: dict[str, tuple[int, int]] = field(default_factory=dict)  # seq_id -> (row in reply, tokens assumed)
 
 
+def _ewma(d: dict[str, float], key: str, x: float, start: float, w: float = 0.1) -> None:
+    v = d.get(key, start)
+    d[key] = v + w * (x - v)
+
+
 class DraftPlanner:
-    def __init__(self, drafters: dict[str, Drafter], default: str | None, min_hit_rate: float = 0.35,
-                 probe_every: int = 64):
+    def __init__(self, drafters: dict[str, Drafter], default: str | None, probe_every: int = 64):
         self.drafters, self.default = drafters, default
         self.ahead: dict[str, _Ahead] = {}
         # draft_compute_s: the drafter's own seconds in the calls whose replies steps took,
         # look-ahead ones included (against draft_s it shows a remote drafter's round trips)
         self.counts = {"ahead_hits": 0, "ahead_misses": 0, "failures": 0, "draft_compute_s": 0.0}
-        self.hit_rate: dict[str, float] = {}  # per drafter: EWMA of look-ahead hits per row, from 1.0
-        self.min_hit_rate, self.probe_every = min_hit_rate, probe_every
+        # per drafter, averages (EWMA) that gate a "gated" look-ahead: hits per row (from 1.0),
+        # seconds waiting for a fresh call, seconds waiting for a guessed reply that missed
+        self.hit_rate: dict[str, float] = {}
+        self.fresh_s: dict[str, float] = {}
+        self.wasted_s: dict[str, float] = {}
+        self.probe_every = probe_every
         self.steps = 0
 
     def draft(self, rows: list[tuple[Sequence, int]]) -> DraftOutput:
@@ -59,7 +74,9 @@ class DraftPlanner:
         calls = {name: self.drafters[name].propose_async([self._request(rows[b]) for b in idx])
                  for name, idx in fresh.items() if idx}
         for name, fut in calls.items():
+            t = time.perf_counter()
             res = self._result(name, fut)
+            _ewma(self.fresh_s, name, time.perf_counter() - t, start=0.0)
             if res is not None:
                 for j, b in enumerate(fresh[name]):
                     self._fill(out, b, res, j, 0, rows[b][1])
@@ -75,9 +92,13 @@ class DraftPlanner:
                 groups.setdefault(s.drafter or self.default, []).append(b)
         for name, idx in groups.items():
             mode = self.drafters[name].look_ahead
-            gated = self.hit_rate.get(name, 1.0) >= self.min_hit_rate or probe
+            gated = probe or self._pays(name)
             if (mode == "free" and len(idx) == 1) or (mode == "gated" and gated):
                 self._ask_ahead(name, idx, rows, out)
+
+    def _pays(self, name: str) -> bool:
+        hit = self.hit_rate.get(name, 1.0)
+        return hit * self.fresh_s.get(name, 0.0) >= (1 - hit) * self.wasted_s.get(name, 0.0)
 
     @staticmethod
     def _request(row: tuple[Sequence, int]) -> DraftRequest:
@@ -107,7 +128,9 @@ class DraftPlanner:
     def _take_ahead(self, name: str, idx: list[int], rows, out: DraftOutput) -> list[int]:
         """Use drafts asked for last step where the assumption held; return rows still to draft."""
         ahead = self.ahead.pop(name, None)
+        t = time.perf_counter()
         res = self._result(name, ahead.future) if ahead else None
+        waited = time.perf_counter() - t
         if res is None:
             return idx
         rest = []
@@ -122,8 +145,9 @@ class DraftPlanner:
             else:
                 rest.append(b)
                 self.counts["ahead_misses"] += 1
-            rate = self.hit_rate.get(name, 1.0)
-            self.hit_rate[name] = rate + 0.1 * (hit - rate)
+            _ewma(self.hit_rate, name, float(hit), start=1.0)
+        if ahead.rows:
+            _ewma(self.wasted_s, name, waited if rest else 0.0, start=0.0)
         return rest
 
     def _ask_ahead(self, name: str, idx: list[int], rows, out: DraftOutput) -> None:

@@ -1,5 +1,7 @@
 """Engine loop: lossless speculation, stops, prefix cache, bad input, nothing leaked."""
 
+import time
+
 import pytest
 import torch
 
@@ -202,6 +204,50 @@ def test_drafting_ahead_is_lossless_and_hits(random_models, tokenizer, baseline)
     out = e.generate(PROMPTS, SamplingParams(max_tokens=48, ignore_eos=True), SpecParams("fixed", 3))
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in baseline]
     assert e.planner.counts["ahead_hits"] > 0, e.planner.counts
+
+
+class MissingDrafter(ThreadedDrafter):
+    """Guesses ahead always wrong (a bonus token no target picks); fresh calls draft n-grams.
+    `ahead_s`: how long a guessed call takes, against a verify pass of well under a second."""
+
+    def __init__(self, ahead_s: float):
+        super().__init__()
+        self.ahead_s, self.ahead_calls, self.drafting_calls = ahead_s, 0, 0
+
+    def propose(self, requests):
+        if requests and requests[0].confirmed is not None:  # a look-ahead call
+            self.ahead_calls += 1
+            time.sleep(self.ahead_s)
+            out = super().propose(requests)
+            out.tokens = [[-1] + t[1:] for t in out.tokens]
+            return out
+        out = super().propose(requests)
+        self.drafting_calls += any(out.tokens)  # a step with drafts: the engine may guess after it
+        return out
+
+
+def test_gated_look_ahead_turns_off_when_misses_wait(random_models, tokenizer, baseline):
+    target = load_model(random_models["llama"], torch.float32, "cpu")
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, max_batch_tokens=64)
+    drafter = MissingDrafter(0.5)  # a guessed call outlasting the verify pass, and missing
+    e = Engine(target, tokenizer, cfg, {"ngram": drafter}, "ngram")
+    out = e.generate(PROMPTS[:1], SamplingParams(max_tokens=48, ignore_eos=True), SpecParams("fixed", 3))
+    assert out[0]["token_ids"] == baseline[0]["token_ids"]
+    assert e.planner.counts["ahead_hits"] == 0 and drafter.drafting_calls > 8
+    assert drafter.ahead_calls <= 2, (drafter.ahead_calls, drafter.drafting_calls)
+
+
+def test_gated_look_ahead_rule():
+    """On at the H100's measured batch-1 figures (0.375 hits, a 3.1 ms fresh call, guessed
+    replies back before the verify ends); off when a miss waits longer than hits save."""
+    from cluster.engine.drafting import DraftPlanner
+
+    p = DraftPlanner({}, None)
+    p.hit_rate["d"], p.fresh_s["d"], p.wasted_s["d"] = 0.375, 3.1e-3, 0.0
+    assert p._pays("d")
+    p.wasted_s["d"] = 2.0e-3
+    assert not p._pays("d")
+    assert DraftPlanner({}, None)._pays("new")  # unmeasured: try it
 
 
 def test_model_drafter_drafting_ahead_is_lossless(random_models, tokenizer, baseline):
