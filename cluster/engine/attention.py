@@ -99,7 +99,7 @@ class SdpaBackend:
 
 
 class Fa3Backend:
-    """FlashAttention-3 forward (Hopper, bf16) with `cache_batch_idx` over slots.
+    """FlashAttention-3 forward (Hopper; bf16, or e4m3 over an fp8 cache) with `cache_batch_idx` over slots.
 
     The kernel appends each row's T new keys/values at `cache_len` itself (one kernel, not
     a scatter per layer), then attends over `cache_len + T` keys with bottom-right causal

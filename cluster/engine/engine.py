@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from cluster.engine.drafter import DraftOutput, Drafter
 from cluster.engine import fp8
+from cluster.engine.drafter import DraftOutput, Drafter
 from cluster.engine.drafting import DraftPlanner
 from cluster.engine.hashing import model_seed
 from cluster.engine.kv_cache import KVCache
