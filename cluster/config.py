@@ -78,9 +78,10 @@ class EngineSection(_Strict):
     draft_look_ahead: bool = True
     """A model drafter in the verifier's process (colocated) on a GPU drafts the next step on
     its own CUDA stream while the target verifies, guessing every draft is accepted; a right
-    guess saves that step's drafting. Remote drafters look ahead while their hit rate pays;
-    false turns both off (a drafter replica sharing the verifier's GPU competes with its verify
-    pass: H100, 8B shape, 0.83 of colocated with it on, benchmarks/serve_gpu)."""
+    guess saves that step's drafting. Remote drafters look ahead while the waits their hits
+    save outweigh the waits their misses cost (cluster/engine/drafting.py); false turns both
+    off (a drafter replica sharing the verifier's GPU competes with its verify pass: H100, 8B
+    shape, 0.84 of colocated with it on or off, benchmarks/serve_gpu)."""
 
     def engine_config(self, models: ModelsConfig, gamma: int, gamma_max: int) -> EngineConfig:
         device = models.device
