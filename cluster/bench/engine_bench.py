@@ -56,13 +56,14 @@ def main(argv=None) -> int:
     ap.add_argument("--gammas", default="2,4,8")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="engine.kv_cache_dtype")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = ap.parse_args(argv)
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
     engine = build_engine(parse_config({"models": {"dtype": args.dtype, "device": args.device},
-                                        "engine": {"max_model_len": 1024}}))
+                                        "engine": {"max_model_len": 1024, "kv_cache_dtype": args.kv_cache_dtype}}))
     prompts = code_prompts(args.prompts, seed=1)
     engine.generate(prompts[:1], SamplingParams(max_tokens=8), SpecParams("fixed", 2))  # warm-up
     runs = [("off", 0, None)] + [(d, g, d) for d in ("ngram", "model") for g in map(int, args.gammas.split(","))]

@@ -28,8 +28,12 @@ class ComputeBoundCosts:
         return self.inner.gamma(batch_size, cluster_inflight)
 
     def observe(self, obs: StepObservation) -> None:
-        self.inner.observe(dataclasses.replace(
-            obs, verify_s=self.c0 + self.per_token * obs.verify_tokens, draft_s=self.per_pass * obs.gamma))
+        # step_s too: the controller corrects its model by the whole step's measured period,
+        # which on a loaded CI machine would bring its noise back (0.98 -> 1.12 mean gamma at
+        # 16 streams in one CI run)
+        verify_s, draft_s = self.c0 + self.per_token * obs.verify_tokens, self.per_pass * obs.gamma
+        self.inner.observe(dataclasses.replace(obs, verify_s=verify_s, draft_s=draft_s,
+                                               step_s=verify_s + draft_s if obs.step_s else 0.0))
 
     def snapshot(self) -> dict:
         return self.inner.snapshot()
