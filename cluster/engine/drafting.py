@@ -12,14 +12,14 @@ For a drafter in another process ("gated") a miss costs only if the guessed call
 running when the verify pass ends: the fresh call waits for it (the replica serves calls in
 order). So looking ahead stays on while what hits save pays for what misses wait:
 hit rate x (wait for a fresh draft) >= miss rate x (wait for a guessed reply that then
-missed), each an average per drafter, re-tried every `probe_every` steps when off. At batch 1
-on a GPU the guessed reply is back long before the verify ends (H100, 8B shape: a 3 ms call
-against a 7 ms verify), so every hit is a step without waiting for the drafter; a batch
-whose draft call outlasts the verify turns it off. A gate on the hit rate alone (0.35)
-turned it off there after a few steps at a 0.375 hit rate
-(benchmarks/serve_gpu/h100_8b_mps). A drafter on its own CUDA stream ("free") drafts while
-the host would only wait for the verify pass, so it looks ahead whenever it drafts a single
-row: on an H100 (8B shape, gamma 4) that took batch-1 speculation from 396 to 445 tokens/s,
+missed), each an average per drafter, re-tried every `probe_every` steps when off. A gate
+on the hit rate alone (0.35) turned it off after six guesses on an H100 at batch 1, where
+guesses hit ~0.375 of the time and a ~3 ms call mostly returns within a ~7 ms verify; gated
+by cost it stayed on for 78 guesses of ~300 steps there and hit 51, though the net speed
+did not move (benchmarks/serve_gpu/h100_8b_lookahead_gate).
+
+A drafter on its own CUDA stream ("free") drafts while the host would only wait for the
+verify pass, so it looks ahead whenever it drafts a single row: on an H100 (8B shape, gamma 4) that took batch-1 speculation from 396 to 445 tokens/s,
 while with 4 rows it halved the speculative throughput and with 16 the run stalled (not yet
 understood; benchmarks/gpu/h100/gpu_bench_lookahead_all_rows.log).
 """
