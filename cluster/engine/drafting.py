@@ -19,9 +19,10 @@ by cost it stayed on for 78 guesses of ~300 steps there and hit 51, though the n
 did not move (benchmarks/serve_gpu/h100_8b_lookahead_gate).
 
 A drafter on its own CUDA stream ("free") drafts while the host would only wait for the
-verify pass, so it looks ahead whenever it drafts a single row: on an H100 (8B shape, gamma 4) that took batch-1 speculation from 396 to 445 tokens/s,
-while with 4 rows it halved the speculative throughput and with 16 the run stalled (not yet
-understood; benchmarks/gpu/h100/gpu_bench_lookahead_all_rows.log).
+verify pass, so it looks ahead whenever it drafts a single row: on an H100 (8B shape,
+gamma 4) that took batch-1 speculation from 396 to 445 tokens/s, while with 4 rows it halved
+the speculative throughput and with 16 the run stalled (not yet understood;
+benchmarks/gpu/h100/gpu_bench_lookahead_all_rows.log).
 """
 
 from __future__ import annotations
