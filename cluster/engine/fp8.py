@@ -13,7 +13,8 @@ maximum to vLLM's constants (200 for q and k, 100 for v) of e4m3's 448, leaving 
 for larger activations at serving time; anything past 448 saturates (clamped before the
 cast, never NaN). Speculation stays lossless relative to the quantized target: draft and
 verify read the same cache, so greedy speculative output equals greedy plain output with
-the same fp8 cache.
+the same fp8 cache. It is the target's cache only: a draft model keeps its own cache in its
+weights' dtype (small, and its rounding only moves acceptance).
 """
 
 from __future__ import annotations
