@@ -32,6 +32,10 @@ PRO_NONE, PRO_RMSNORM, PRO_SILU = 0, 1, 2
 # as the MMA's wide operand: "swap AB"); more -> cuBLAS. GEMV_MAX_ROWS=1 keeps cuBLAS for every
 # multi-row call (to compare the two in one run: scripts/gpu_gemm_rows.py).
 MAX_ROWS = int(os.environ.get("GEMV_MAX_ROWS", "16"))
+# Splits of K for 2..MAX_ROWS rows where K > 2N (the 8B down_proj): each split's partial sums
+# go to an fp32 workspace, a second kernel adds them in order with bias and residual. 0: those
+# projections stay on cuBLAS (the default until an H100 step-time run says otherwise).
+SPLIT_K = int(os.environ.get("GEMV_SPLIT_K", "0"))
 _ONE = os.environ.get("GEMV_CONFIGS") == "one"  # the CPU interpreter test: no autotuning
 
 
@@ -44,7 +48,8 @@ def _configs():
 
 
 def _prune(configs, named_args, **kw):
-    return [c for c in configs if named_args["K"] % c.kwargs["BLOCK_K"] == 0]
+    k = named_args.get("k_split", named_args["K"])  # the K range one program sums
+    return [c for c in configs if k % c.kwargs["BLOCK_K"] == 0]
 
 
 @triton.autotune(configs=_configs(), key=["N", "K", "PRO", "RES", "HAS_BIAS"],
@@ -97,15 +102,18 @@ def _rows_configs():
 
 
 @triton.jit
-def _gemm_rows_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, M, N, K, stride_x, stride_r, eps,
-                      PRO: tl.constexpr, RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr = 16):
+def _gemm_rows_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, part_ptr, M, N, K, k_split, stride_x,
+                      stride_r, eps, PRO: tl.constexpr, RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_M: tl.constexpr = 16):
     """_gemv for 2..16 rows (x: [M, K], or [M, 2K] for SiLU; y, res: [M, N]). The weight tile
     [BLOCK_N, BLOCK_K] is the MMA's first operand as it lies in memory (K contiguous), the
     few rows, padded to 16, the second: y^T = W x^T. Tensor cores do the FMAs, which for
-    3+ rows on the CUDA cores bounded the kernel (the reverted _gemv_rows, commit 2d95708)."""
+    3+ rows on the CUDA cores bounded the kernel (the reverted _gemv_rows, commit 2d95708).
+    SPLIT: program (i, j) sums K range j * k_split.. into part[j] (fp32), _split_sum finishes."""
     rm = tl.arange(0, BLOCK_M)  # rows past M load as 0 (no memory traffic) and are not stored
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * k_split
     mmask = rm < M
     nmask = rn < N
     out_ty = y_ptr.dtype.element_ty
@@ -117,8 +125,8 @@ def _gemm_rows_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, M, N, K, stri
             ss += xv.to(tl.float32) * xv.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for kb in range(0, K // BLOCK_K):  # K % BLOCK_K == 0 (configs are pruned to fit)
-        rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    for kb in range(0, k_split // BLOCK_K):  # k_split % BLOCK_K == 0 (configs are pruned to fit)
+        rk = k0 + kb * BLOCK_K + tl.arange(0, BLOCK_K)
         xp = x_ptr + rm[:, None] * stride_x + rk[None, :]
         xv = tl.load(xp, mask=mmask[:, None], other=0.0)
         if PRO == 1:
@@ -136,24 +144,53 @@ def _gemm_rows_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, M, N, K, stri
         else:
             acc = tl.dot(w, tl.trans(xv), acc)
     out = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
-    if HAS_BIAS:
-        out += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
     ymask = mmask[:, None] & nmask[None, :]
-    if RES:  # before the one rounding, as _gemv and cuBLAS's addmm
-        out += tl.load(res_ptr + rm[:, None] * stride_r + rn[None, :], mask=ymask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], out.to(out_ty), mask=ymask)
+    if SPLIT:
+        tl.store(part_ptr + (tl.program_id(1) * M + rm[:, None]) * N + rn[None, :], out, mask=ymask)
+    else:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        if RES:  # before the one rounding, as _gemv and cuBLAS's addmm
+            out += tl.load(res_ptr + rm[:, None] * stride_r + rn[None, :], mask=ymask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], out.to(out_ty), mask=ymask)
 
 
-_gemm_rows = triton.autotune(configs=_rows_configs(), key=["N", "K", "PRO", "RES", "HAS_BIAS"],
+_gemm_rows = triton.autotune(configs=_rows_configs(), key=["N", "K", "k_split", "PRO", "RES", "HAS_BIAS"],
                              prune_configs_by={"early_config_prune": _prune})(_gemm_rows_kernel)
+
+
+@triton.jit
+def _split_sum(part_ptr, b_ptr, res_ptr, y_ptr, M, N, S, stride_r, RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+               BLOCK: tl.constexpr):
+    """y = sum over splits of part[s] (in split order: deterministic) + bias + residual, in
+    fp32, then the one rounding."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < M * N
+    rm, rn = i // N, i % N
+    out = tl.zeros((BLOCK,), tl.float32)
+    for s in range(0, S):
+        out += tl.load(part_ptr + s * M * N + i, mask=mask, other=0.0)
+    if HAS_BIAS:
+        out += tl.load(b_ptr + rn, mask=mask, other=0.0).to(tl.float32)
+    if RES:
+        out += tl.load(res_ptr + rm * stride_r + rn, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + i, out.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _splits(n: int, k: int) -> int:
+    """K splits for a multi-row projection: SPLIT_K (halved until 128-aligned) where K > 2N."""
+    s = SPLIT_K if k > 2 * n else 1
+    while s > 1 and k % (s * 128):
+        s //= 2
+    return max(s, 1)
 
 
 def supported(m: int, n: int, k: int) -> bool:
     """Whether fused_linear takes m rows of x @ w.T (w: [n, k]). One row: any K some BLOCK_K
-    divides (the loop has no tail). More: also K <= 2N, since _gemm_rows has no split-K and
-    a long K over few column tiles leaves SMs idle: the 8B down_proj (K 14336, N 4096) at 5
-    rows took 0.079 ms against cuBLAS's 0.055 (its SiLU kernel included), so it stays there."""
-    return k % 128 == 0 and (m == 1 or (m <= MAX_ROWS and k <= 2 * n))
+    divides (the loop has no tail). More: also K <= 2N unless split (GEMV_SPLIT_K): a long K
+    over few column tiles leaves SMs idle: the 8B down_proj (K 14336, N 4096) at 5 rows took
+    0.079 ms unsplit against cuBLAS's 0.055 (its SiLU kernel included)."""
+    return k % 128 == 0 and (m == 1 or (m <= MAX_ROWS and (k <= 2 * n or _splits(n, k) > 1)))
 
 
 def _rows(t: torch.Tensor, m: int) -> torch.Tensor:
@@ -182,10 +219,15 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, bias=None, norm=None, eps: fl
     x2 = _rows(x, m)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     res = _rows(residual, m) if residual is not None else y
-    args = (x2, w, b, nw, res, y, m, n, k, x2.stride(0), res.stride(0), eps)
-    flags = dict(PRO=pro, RES=residual is not None, HAS_BIAS=bias is not None)
+    s = _splits(n, k)
+    part = torch.empty((s, m, n), dtype=torch.float32, device=x.device) if s > 1 else y
+    args = (x2, w, b, nw, res, y, part, m, n, k, k // s, x2.stride(0), res.stride(0), eps)
+    flags = dict(PRO=pro, RES=residual is not None, HAS_BIAS=bias is not None, SPLIT=s > 1)
     if config is None:
-        _gemm_rows[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+        _gemm_rows[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), s)](*args, **flags)
     else:
-        _gemm_rows_kernel[(triton.cdiv(n, config["BLOCK_N"]),)](*args, **flags, **config)
+        _gemm_rows_kernel[(triton.cdiv(n, config["BLOCK_N"]), s)](*args, **flags, **config)
+    if s > 1:
+        _split_sum[(triton.cdiv(m * n, 1024),)](part, b, res, y, m, n, s, res.stride(0), RES=flags["RES"],
+                                                HAS_BIAS=flags["HAS_BIAS"], BLOCK=1024)
     return y.view(*lead, n)

@@ -1,6 +1,7 @@
 """fused_linear (cluster/engine/gemv.py: the one-row GEMV and the 2..16-row tensor-core kernel)
 against the eager composition in model.py, on CPU through Triton's interpreter: 1 and 5 rows,
-every prologue, with and without bias and residual; 2 and 16 rows of different scales. Run by tests/engine/test_gemv.py in a process of its own, since
+every prologue, with and without bias and residual; 2 and 16 rows of different scales; 5 and
+16 rows with K split in two (GEMV_SPLIT_K). Run by tests/engine/test_gemv.py in a process of its own, since
 Triton reads TRITON_INTERPRET once, when it is first imported:
 
     TRITON_INTERPRET=1 GEMV_CONFIGS=one python tests/engine/gemv_check.py
@@ -98,6 +99,19 @@ def main() -> int:
         torch.testing.assert_close(gemv.fused_linear(x, w, None, nw, EPS, False, r),
                                    eager(model, x, w, None, nw, False, r), atol=1e-4, rtol=1e-4)
         cases += 1
+    gemv.SPLIT_K = 2  # K (256) > 2N (80): 5 and 16 rows through the split-K path
+    assert gemv._splits(N, K) == 2 and gemv.supported(5, N, K) and gemv._splits(K, K) == 1
+    for rows, pro, res in itertools.product((5, 16), ("none", "rmsnorm", "silu"), (False, True)):
+        g = torch.Generator().manual_seed(1000 + rows * 10 + len(pro) + res)
+        x = torch.randn(rows, 2 * K if pro == "silu" else K, generator=g) * torch.arange(1, rows + 1)[:, None]
+        w, b = torch.randn(N, K, generator=g) / K ** 0.5, torch.randn(N, generator=g)
+        nw = 1 + 0.1 * torch.randn(K, generator=g) if pro == "rmsnorm" else None
+        r = torch.randn(rows, N, generator=g) if res else None
+        torch.testing.assert_close(gemv.fused_linear(x, w, b, nw, EPS, pro == "silu", r),
+                                   eager(model, x, w, b, nw, pro == "silu", r), atol=1e-4, rtol=1e-4,
+                                   msg=lambda m: f"split {rows=} {pro=} {res=}: {m}")
+        cases += 1
+    gemv.SPLIT_K = 0
     try:
         gemv.fused_linear(torch.randn(gemv.MAX_ROWS + 1, K), torch.randn(N, K))
         raise SystemExit("more rows than the kernel takes were accepted")
