@@ -52,6 +52,27 @@ def graph_time(fn, copies: int, reps: int = 20) -> float:
     return cuda_time(g.replay, 10) / reps
 
 
+def tuned_configs() -> list[dict]:
+    """_gemm_rows's autotune configs as fused_linear's `config` argument takes them."""
+    return [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in gemv._rows_configs()]
+
+
+def sweep(call, configs: list[dict], k_range: int, copies: int) -> tuple[dict, float, dict]:
+    """Time call(i, config) for every config whose BLOCK_K divides the K range one program
+    sums: (best config, its ms, ms or the error's name per config)."""
+    times = {}
+    for c in configs:
+        if k_range % c["BLOCK_K"]:
+            continue
+        try:
+            times[json.dumps(c)] = 1e3 * graph_time(lambda i, c=c: call(i, c), copies)
+        except Exception as e:  # noqa: BLE001 (out of shared memory, say)
+            times[json.dumps(c)] = type(e).__name__
+    ok = {c: t for c, t in times.items() if isinstance(t, float)}
+    best = min(ok, key=ok.get)
+    return json.loads(best), ok[best], times
+
+
 def cublas(x, w, nw, silu, r):
     if nw is not None:
         x = model.rms_norm(x, nw, 1e-5)
@@ -64,7 +85,7 @@ def cublas(x, w, nw, silu, r):
 
 def kernels(bw: float) -> dict:
     out, g = {}, torch.Generator(device="cuda").manual_seed(0)
-    configs = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in gemv._rows_configs()]
+    configs = tuned_configs()
     for name, (n, k, pro, res) in SHAPES.items():
         w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
         copies = -(-200_000_000 // (w.numel() * 2))
@@ -84,20 +105,11 @@ def kernels(bw: float) -> dict:
                 row["gemv_ms"] = 1e3 * graph_time(f, copies)
                 row["gemv_err"] = (f(0).float() - ref).abs().max().item() / scale
             else:
-                times = {}
-                for c in configs:
-                    if k % c["BLOCK_K"]:
-                        continue
-                    f = lambda i, c=c: gemv.fused_linear(x, ws[i], None, nw, 1e-5, pro == "silu", r, config=c)  # noqa: E731
-                    try:
-                        times[json.dumps(c)] = 1e3 * graph_time(f, copies)
-                    except Exception as e:  # noqa: BLE001 (out of shared memory, say)
-                        times[json.dumps(c)] = f"{type(e).__name__}"
-                ok = {c: t for c, t in times.items() if isinstance(t, float)}
-                best = min(ok, key=ok.get)
-                row.update(best_ms=ok[best], best=json.loads(best), configs=times)
-                f = lambda: gemv.fused_linear(x, w, None, nw, 1e-5, pro == "silu", r, config=json.loads(best))  # noqa: E731
-                row["kernel_err"] = (f().float() - ref).abs().max().item() / scale
+                best, best_ms, times = sweep(lambda i, c: gemv.fused_linear(x, ws[i], None, nw, 1e-5, pro == "silu", r,
+                                                                            config=c), configs, k, copies)
+                row.update(best_ms=best_ms, best=best, configs=times)
+                y = gemv.fused_linear(x, w, None, nw, 1e-5, pro == "silu", r, config=best)
+                row["kernel_err"] = (y.float() - ref).abs().max().item() / scale
                 row["used"] = "kernel" if gemv.supported(rows, n, k) else "cublas"
             out[f"{name}/{rows}"] = row
             print(name, rows, {a: (round(b, 4) if isinstance(b, float) else b) for a, b in row.items()

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_gemm_rows import cublas, graph_time  # noqa: E402
+import gpu_gemm_rows  # noqa: E402
+from gpu_gemm_rows import cublas, sweep, tuned_configs  # noqa: E402
 
 from cluster.bench.synthetic import copy_bandwidth  # noqa: E402
 from cluster.engine import gemv  # noqa: E402
@@ -28,16 +29,15 @@ DEV, DT = ("cpu", torch.float32) if SMOKE else ("cuda", torch.bfloat16)
 
 
 def main() -> int:
-    global graph_time
     if SMOKE:
-        graph_time = lambda fn, copies: (fn(0), 1e-3)[1]  # noqa: E731
+        gpu_gemm_rows.graph_time = lambda fn, copies: (fn(0), 1e-3)[1]
     n, k = (40, 1024) if SMOKE else (4096, 14336)
     bw = 1e12 if SMOKE else copy_bandwidth()
     g = torch.Generator(device=DEV).manual_seed(0)
     w = (torch.randn(n, k, device=DEV, generator=g) / k ** 0.5).to(DT)
     copies = -(-200_000_000 // (w.numel() * 2))
     ws = [w] + [w.clone() for _ in range(copies - 1)]
-    configs = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in gemv._rows_configs()]
+    configs = tuned_configs()
     R = {"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(), "shape": [n, k], "ideal_ms": 1e3 * w.numel() * 2 / bw, "rows": {}}
     os.makedirs(OUT, exist_ok=True)
     for rows in (5, 2, 9, 16):  # 5 first: a gamma-4 verify; written after each, a cut run keeps it
@@ -45,24 +45,15 @@ def main() -> int:
         r = torch.randn(rows, n, device=DEV, generator=g).to(DT)
         ref = cublas(x.float(), w.float(), None, True, r.float())
         scale = ref.abs().max().item()
-        row = {"cublas_ms": 1e3 * graph_time(lambda i: cublas(x, ws[i], None, True, r), copies),
+        row = {"cublas_ms": 1e3 * gpu_gemm_rows.graph_time(lambda i: cublas(x, ws[i], None, True, r), copies),
                "cublas_err": (cublas(x, w, None, True, r).float() - ref).abs().max().item() / scale}
         for s in (1, 2, 4, 8):
             gemv.SPLIT_K = s
             split = gemv._splits(n, k) if s > 1 else 1
-            times = {}
-            for c in configs:
-                if (k // split) % c["BLOCK_K"]:
-                    continue
-                f = lambda i, c=c: gemv.fused_linear(x, ws[i], None, None, 1e-5, True, r, config=c)  # noqa: E731
-                try:
-                    times[json.dumps(c)] = 1e3 * graph_time(f, copies)
-                except Exception as e:  # noqa: BLE001
-                    times[json.dumps(c)] = type(e).__name__
-            ok = {c: t for c, t in times.items() if isinstance(t, float)}
-            best = min(ok, key=ok.get)
-            y = gemv.fused_linear(x, w, None, None, 1e-5, True, r, config=json.loads(best))
-            row[f"split{s}"] = {"best_ms": ok[best], "best": json.loads(best), "err": (y.float() - ref).abs().max().item() / scale,
+            best, best_ms, times = sweep(lambda i, c: gemv.fused_linear(x, ws[i], None, None, 1e-5, True, r, config=c),
+                                         configs, k // split, copies)
+            y = gemv.fused_linear(x, w, None, None, 1e-5, True, r, config=best)
+            row[f"split{s}"] = {"best_ms": best_ms, "best": best, "err": (y.float() - ref).abs().max().item() / scale,
                                 "configs": times}
         gemv.SPLIT_K = 0
         R["rows"][rows] = row

@@ -55,7 +55,7 @@ class DraftPlanner:
         self.ahead: dict[str, _Ahead] = {}
         # draft_compute_s: the drafter's own seconds in the calls whose replies steps took,
         # look-ahead ones included (against draft_s it shows a remote drafter's round trips)
-        self.counts = {"ahead_hits": 0, "ahead_misses": 0, "failures": 0, "draft_compute_s": 0.0}
+        self.counts = {"ahead_hits": 0, "ahead_misses": 0, "draft_failures": 0, "draft_compute_s": 0.0}
         # per drafter, averages (EWMA) that gate a "gated" look-ahead: hits per row (from 1.0),
         # seconds waiting for a fresh call, seconds waiting for a guessed reply that missed
         self.hit_rate: dict[str, float] = {}
@@ -122,7 +122,7 @@ class DraftPlanner:
             self.counts["draft_compute_s"] += res.seconds
             return res
         except Exception as e:  # the drafter is disposable: plain decoding for these rows
-            self.counts["failures"] += 1
+            self.counts["draft_failures"] += 1
             log.warning("drafter %s failed (%s); decoding without drafts this step", name, e)
             return None
 

@@ -382,4 +382,4 @@ class Engine:
                 "kv_slots_used": self.kv.slots_used, "kv_slots_total": self.kv.num_slots,
                 "prefix_hit_rate": pc.hit_rate if pc else 0.0,
                 "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else 0.0, **t,
-                **{f"draft_{k}" if k == "failures" else k: v for k, v in self.planner.counts.items()}}
+                **self.planner.counts}
