@@ -1,9 +1,11 @@
 """Round trip of the verifier -> drafter hop, the one remote call on the decode critical path:
-through Serve's request path (actor transport, and Serve's gRPC transport) against the direct
-gRPC call the verifier makes (cluster.serve.draft_rpc). The drafter replica answers at once,
-so the figures are transport alone. The direct call sends a sequence's tokens once and
-then only those accepted since; its first call per sequence carries the whole context. Calls come from a plain thread inside a replica, as the
-verifier's engine loop makes them.
+through Serve's request path (actor transport, and Serve's gRPC transport), a direct gRPC
+call (the transport this project used before), and the direct ZeroMQ call the verifier
+makes (cluster.serve.draft_rpc), all with the same protobuf messages. The drafter replica
+answers at once, so the figures are transport alone. A direct call sends a sequence's tokens
+once and then only those accepted since; its first call per sequence carries the whole
+context. Calls come from a plain thread inside a replica, as the verifier's engine loop
+makes them.
 
     python -m cluster.bench.hop_bench --out benchmarks/hop
 """
@@ -20,8 +22,8 @@ import numpy as np
 
 from cluster.bench.report import figure, write_json
 
-TRANSPORTS = ("serve handle", "serve handle, gRPC transport", "direct gRPC, whole context",
-              "direct gRPC, new tokens (as sent)")
+TRANSPORTS = ("serve handle", "serve handle, gRPC transport", "direct gRPC, new tokens",
+              "ZeroMQ, whole context", "ZeroMQ, new tokens (as sent)")
 
 
 def _reply(n: int):
@@ -31,6 +33,37 @@ def _reply(n: int):
     return DraftOutput([[7] * 4] * n, [h[0] for h in hot], [h[1] for h in hot])
 
 
+def _grpc_server(propose_from, host: str):
+    """The same call as a gRPC unary method (a generic handler: no service in the proto)."""
+    from concurrent import futures
+
+    import grpc
+
+    from cluster.proto import drafting_pb2 as pb
+    from cluster.serve.draft_rpc import decode_request, encode_output
+
+    method = grpc.unary_unary_rpc_method_handler(
+        lambda req, ctx: encode_output(*propose_from(*decode_request(req))),
+        request_deserializer=pb.ProposeRequest.FromString, response_serializer=pb.ProposeReply.SerializeToString)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("hop.Drafting", {"Propose": method}),))
+    port = server.add_insecure_port(f"{host}:0")
+    server.start()
+    return server, f"{host}:{port}"
+
+
+def _grpc_call(address: str):
+    import grpc
+
+    from cluster.proto import drafting_pb2 as pb
+    from cluster.serve.draft_rpc import decode_output, encode_request
+
+    stub = grpc.insecure_channel(address).unary_unary(
+        "/hop.Drafting/Propose", request_serializer=pb.ProposeRequest.SerializeToString,
+        response_deserializer=pb.ProposeReply.FromString)
+    return lambda reqs, starts: decode_output(stub.future(encode_request(reqs, starts, [], "v"), timeout=5.0).result())
+
+
 def _deployments():
     import ray
     from ray import serve
@@ -38,9 +71,10 @@ def _deployments():
     @serve.deployment(name="HopDrafter")
     class HopDrafter:
         def __init__(self):
-            from cluster.serve.draft_rpc import serve_drafting
+            from cluster.serve.draft_rpc import DraftServer
 
-            self.server, self.address = serve_drafting(self.propose_from, ray.util.get_node_ip_address())
+            self.server = DraftServer(self.propose_from, ray.util.get_node_ip_address())
+            self.grpc_server, self.grpc_address = _grpc_server(self.propose_from, ray.util.get_node_ip_address())
 
         def propose(self, requests, release, caller):
             return _reply(len(requests))
@@ -48,8 +82,8 @@ def _deployments():
         def propose_from(self, requests, starts, release, caller):
             return _reply(len(requests)), [False] * len(requests)
 
-        def endpoint(self) -> str:
-            return self.address
+        def endpoint(self) -> tuple[str, str]:
+            return self.server.address, self.grpc_address
 
     @serve.deployment(name="HopVerifier")
     class HopVerifier:
@@ -61,13 +95,15 @@ def _deployments():
             from cluster.serve.draft_rpc import DraftingClient
 
             reqs = [DraftRequest(f"s{i}", list(range(context)), 4) for i in range(batch)]
-            client = DraftingClient(self.drafter.endpoint.remote().result())
+            address, grpc_address = self.drafter.endpoint.remote().result()
+            client, grpc_call = DraftingClient(address), _grpc_call(grpc_address)
             grpc_handle = self.drafter.options(_by_reference=False)
+            new = [context - 5] * batch  # after its first call a sequence sends those accepted since
             send = {TRANSPORTS[0]: lambda: self.drafter.propose.remote(reqs, [], "v").result(),
                     TRANSPORTS[1]: lambda: grpc_handle.propose.remote(reqs, [], "v").result(),
-                    TRANSPORTS[2]: lambda: client.propose(reqs, [0] * batch, [], "v", 5.0).result(),
-                    # a verifier sends each sequence's tokens once: after that, those accepted since
-                    TRANSPORTS[3]: lambda: client.propose(reqs, [context - 5] * batch, [], "v", 5.0).result()}
+                    TRANSPORTS[2]: lambda: grpc_call(reqs, new),
+                    TRANSPORTS[3]: lambda: client.propose(reqs, [0] * batch, [], "v", 5.0).result(),
+                    TRANSPORTS[4]: lambda: client.propose(reqs, new, [], "v", 5.0).result()}
             out = {}
 
             def loop():  # a plain thread, like the engine loop (not the replica's event loop)
@@ -113,11 +149,11 @@ def main(argv=None) -> int:
     path = write_json(args.out, "hop", {"calls": args.calls, "context_tokens": args.context, "results": results})
 
     plt = figure()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     batches = list(results)
     width = 0.8 / len(TRANSPORTS)
     for i, name in enumerate(TRANSPORTS):
-        xs = [j + (i - 1.5) * width for j in range(len(batches))]
+        xs = [j + (i - (len(TRANSPORTS) - 1) / 2) * width for j in range(len(batches))]
         p50 = [results[b][name]["p50_ms"] for b in batches]
         p90 = [results[b][name]["p90_ms"] for b in batches]
         ax.bar(xs, p50, width, label=name, yerr=[[0] * len(p50), [h - m for h, m in zip(p90, p50)]], capsize=3)

@@ -5,7 +5,7 @@ sequences ride along in the next call (or an idle flush) as `release`, so there 
 per-token or per-request hop. Any drafter replica can serve any call: the request carries
 the tokens, and a replica without state for a sequence rebuilds it.
 
-The call goes straight to one replica's gRPC port (cluster.serve.draft_rpc), found through
+The call goes straight to one replica's ZeroMQ socket (cluster.serve.draft_rpc), found through
 the Serve handle and looked up again after a failure and every `REFRESH_S`, so new replicas
 get callers; `router.drafter_transport: handle` sends it through Serve's request path instead.
 """
@@ -33,12 +33,13 @@ class DrafterDeployment:
 
         from cluster.config import ClusterConfig
         from cluster.serve.build import build_model_drafter
-        from cluster.serve.draft_rpc import serve_drafting
+        from cluster.serve.draft_rpc import DraftServer
 
         cfg = ClusterConfig.model_validate(config)
         self.drafter = build_model_drafter(cfg)
         self.lock = threading.RLock()  # propose_from holds it across propose
-        self.server, self.address = serve_drafting(self.propose_from, ray.util.get_node_ip_address())
+        self.server = DraftServer(self.propose_from, ray.util.get_node_ip_address())
+        self.address = self.server.address
         self.demand = DraftDemandMeter()
         # a verifier that dies never releases its sequences: they expire instead
         self.ttl_s = cfg.router.drafter_state_ttl_s
@@ -69,12 +70,12 @@ class DrafterDeployment:
             return self.propose(requests, release, caller), resync
 
     def endpoint(self) -> str:
-        """Where this replica takes direct draft calls ("host:port")."""
+        """Where this replica takes direct draft calls ("tcp://host:port")."""
         return self.address
 
     def __del__(self):
         if getattr(self, "server", None) is not None:
-            self.server.stop(grace=1.0)
+            self.server.stop()
 
     def info(self) -> dict:
         """Sequences with draft state here, and where this replica runs."""
@@ -219,6 +220,10 @@ class RemoteDrafter(Drafter):
         for r in requests:
             self.held.pop(r.seq_id, None)
         self.refresh_at = 0.0  # the probe after the back-off looks the replica up again
+        if self.client is not None:  # and calls on a fresh socket: nothing stale still queued
+            self.client.close()
+            self.client = None
+            self.held.clear()
         if not self.backoff_s:
             log.warning("drafter unavailable; decoding without drafts, retrying with back-off")
         self.backoff_s = min(self.MAX_BACKOFF_S, max(self.MIN_BACKOFF_S, 2 * self.backoff_s))

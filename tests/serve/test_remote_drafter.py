@@ -1,6 +1,6 @@
 """RemoteDrafter without Ray: a dead drafter costs one timeout, then a back-off of plain
 decoding; releases of a failed call are sent again; a stale call is cancelled. The direct
-transport against real gRPC servers: drafts arrive intact, and a replaced replica (new
+transport against real ZeroMQ servers: drafts arrive intact, and a replaced replica (new
 address) is found again through the handle after the back-off."""
 
 from __future__ import annotations
@@ -69,13 +69,14 @@ def test_backoff_then_probe_then_resume(monkeypatch):
 
 
 class Replica:
-    """A drafter replica's direct endpoint: a real gRPC server around a fake drafter."""
+    """A drafter replica's direct endpoint: a real ZeroMQ server around a fake drafter."""
 
     def __init__(self, reply: DraftOutput):
-        from cluster.serve.draft_rpc import serve_drafting
+        from cluster.serve.draft_rpc import DraftServer
 
         self.reply, self.calls = reply, []
-        self.server, self.address = serve_drafting(self.propose, "127.0.0.1")
+        self.server = DraftServer(self.propose, "127.0.0.1")
+        self.address = self.server.address
 
     def propose(self, requests, starts, release, caller):
         self.calls.append((requests, starts, release, caller))
@@ -121,7 +122,7 @@ def test_direct_transport_round_trip():
         p = sent[0].params
         assert (p.seed, p.top_k, sent[0].k) == (3, 5, 2) and abs(p.temperature - 0.7) < 1e-6 and sent[1].params.seed is None
     finally:
-        replica.server.stop(0)
+        replica.server.stop()
 
 
 def test_direct_transport_finds_the_replacement_replica(monkeypatch):
@@ -135,7 +136,7 @@ def test_direct_transport_finds_the_replacement_replica(monkeypatch):
         d.propose([DraftRequest("boom", [1, 2], 2)])
     assert d.backoff_s == RemoteDrafter.MIN_BACKOFF_S
 
-    first.server.stop(0).wait()  # Serve replaced the replica: a new one at a new address
+    first.server.stop()  # Serve replaced the replica: a new one at a new address
     second = Replica(DraftOutput([[3]], [np.array([[3]], np.int32)], [np.ones((1, 1), np.float32)]))
     handle.replica = second
     try:
@@ -143,7 +144,7 @@ def test_direct_transport_finds_the_replacement_replica(monkeypatch):
         assert d.propose([DraftRequest.make_dummy()]).tokens == [[3]]  # the probe looked it up again
         assert handle.lookups == 2 and d.backoff_s == 0 and len(second.calls) == 1
     finally:
-        second.server.stop(0)
+        second.server.stop()
 
 
 class Counting:
@@ -158,14 +159,14 @@ class Counting:
 
 
 def test_direct_calls_send_only_new_tokens_and_resync_after_eviction(demo_pair):
-    """The real Drafter replica class behind a real gRPC server, an in-process engine using
+    """The real Drafter replica class behind a real ZeroMQ server, an in-process engine using
     it as its remote drafter: greedy output equals speculation off; after the first call a
     sequence's call carries only its new tokens; evicted draft state is re-sent in full."""
     import torch
 
     from cluster.config import parse_config
     from cluster.serve.build import build_engine
-    from cluster.serve.draft_rpc import serve_drafting
+    from cluster.serve.draft_rpc import DraftServer
     from cluster.serve.drafter import DrafterDeployment
     from cluster.engine.sequence import SpecParams
 
@@ -173,9 +174,10 @@ def test_direct_calls_send_only_new_tokens_and_resync_after_eviction(demo_pair):
     cfg = parse_config({"models": {"target": str(demo_pair[0]), "draft": str(demo_pair[1]), "device": "cpu"},
                         "placement": "disaggregated", "kvdir": {"url": None}})
     replica = DrafterDeployment.func_or_class(cfg.model_dump())
-    replica.server.stop(0)  # serve it through the counting wrapper instead
+    replica.server.stop()  # serve it through the counting wrapper instead
     counting = Counting(replica)
-    server, address = serve_drafting(counting, "127.0.0.1")
+    server = DraftServer(counting, "127.0.0.1")
+    address = server.address
     try:
         remote = RemoteDrafter(EndpointHandle(SimpleNamespace(address=address)), timeout_s=10.0, caller="v")
         engine = build_engine(cfg, remote)
@@ -213,4 +215,4 @@ def test_direct_calls_send_only_new_tokens_and_resync_after_eviction(demo_pair):
             time.sleep(0.05)
         assert not replica.drafter.state and not remote.pending_release
     finally:
-        server.stop(0)
+        server.stop()
