@@ -4,6 +4,11 @@ tunes over; CUDA-graph replays cycling through weight copies past L2, as scripts
 Needs no bundle (torch, triton, transformers):
 
     PYTHONPATH=$PWD python3 scripts/gpu_split_k.py      # writes $OUT/gpu_split_k.json
+    STEP=1 BUNDLE=.device-bundle-engine ...              # the 8B verify and decode steps instead
+
+STEP=1: what the kernel figures mean for a step. Two engines on the same 8B-shaped weights in
+one process, one whose CUDA graphs were captured with GEMV_SPLIT_K 0 and one with 4, timed in
+turns (so clocks and the GPU's state are shared): the gamma-4 verify (5 rows) and the decode step.
 """
 
 from __future__ import annotations
@@ -63,5 +68,42 @@ def main() -> int:
     return 0
 
 
+def step_ab() -> int:
+    from transformers import AutoTokenizer
+
+    from cluster.bench.embed import demo_8b
+    from cluster.bench.synthetic import cuda_time
+    from cluster.engine.engine import Engine
+    from cluster.engine.scheduler import EngineConfig
+
+    demo = Path(__file__).resolve().parents[1] / "cluster" / "models" / "demo"
+    target, _ = demo_8b(demo / "target", demo / "draft")
+    tok = AutoTokenizer.from_pretrained(demo / "target")
+    cfg = EngineConfig(max_num_seqs=4, max_model_len=1024, prefix_cache_blocks=0, gamma=4, gamma_max=8,
+                       device="cuda", dtype="bfloat16", compile=True)
+    ctx = list(range(100, 612))
+    engines, runs = {}, {}
+    for split in (0, 4):
+        gemv.SPLIT_K = split  # read when a graph is captured: these engines' graphs keep it
+        e = engines[split] = Engine(target, tok, cfg, {}, None, identity=f"split{split}")
+        slot = e.kv.allocate()
+        e.runner.forward([slot], [0], [ctx], last_only=True)
+        runs[split] = {"decode": lambda e=e, s=slot: e.runner.forward([s], [512], [[5]], last_only=False),
+                       "verify5": lambda e=e, s=slot: e.runner.forward([s], [512], [[5] * 5], last_only=False)}
+        for fn in runs[split].values():
+            fn()  # capture
+    gemv.SPLIT_K = 0
+    R = {"device": torch.cuda.get_device_name(), "turns": []}
+    for _ in range(5):
+        R["turns"].append({f"split{s}_{name}_ms": 1e3 * cuda_time(fn, 50) for s in runs for name, fn in runs[s].items()})
+        print(R["turns"][-1], flush=True)
+    R["median"] = {k: sorted(t[k] for t in R["turns"])[2] for k in R["turns"][0]}
+    print("median", R["median"])
+    Path(OUT, "gpu_split_k_step.json").write_text(json.dumps(R, indent=1))
+    return 0
+
+
 if __name__ == "__main__":
+    if os.environ.get("STEP") == "1":
+        sys.exit(step_ab())
     sys.exit(main())

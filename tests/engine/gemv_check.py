@@ -79,6 +79,7 @@ def main() -> int:
     assert len(gemv._gemv.configs) == 1
     cases = 0
     assert len(gemv._gemm_rows.configs) == 1
+    gemv.SPLIT_K = 0  # the unsplit kernel first (the default splits K > 2N, as here)
     for rows, pro, bias, res in itertools.product((1, 5), ("none", "rmsnorm", "silu"), (False, True), (False, True)):
         g = torch.Generator().manual_seed(rows * 100 + len(pro) * 10 + bias * 2 + res)
         x = torch.randn(1, rows, 2 * K if pro == "silu" else K, generator=g)
