@@ -122,9 +122,10 @@ class RouterSection(_Strict):
     drafter_timeout_s: float = Field(2.0, gt=0)
     """A draft call slower than this is dropped; the step decodes plainly."""
     drafter_transport: Literal["direct", "handle"] = "direct"
-    """How a verifier's one draft call per step reaches a drafter replica: `direct`, a gRPC
-    call to the replica's own port, found through the Serve handle (0.56 ms a round trip on 2 CPUs);
-    `handle`, through Serve's request path (2.5 ms; `spec-cluster bench hop`). Drafter ports must be reachable for direct."""
+    """How a verifier's one draft call per step reaches a drafter replica: `direct`, a ZeroMQ
+    request to the replica's own port, found through the Serve handle (0.25 ms a round trip on
+    the H100 host); `handle`, through Serve's request path (4.8 ms; `spec-cluster bench hop`).
+    Drafter ports must be reachable for direct."""
     drafter_state_ttl_s: float = Field(60.0, gt=0)
     """A drafter forgets a sequence no draft call has named for this long: its verifier
     died before releasing it. A live sequence dropped early is only rebuilt from its tokens."""

@@ -13,7 +13,7 @@ BENCHES = {
     "policy": ("cluster.bench.policy_bench", "speculation policies against concurrency"),
     "routing": ("cluster.bench.routing_bench", "cache-aware vs default routing on shared prefixes"),
     "kvdir": ("cluster.bench.kvdir_bench", "KV block directory throughput and overlap latency"),
-    "hop": ("cluster.bench.hop_bench", "verifier -> drafter round trip: Serve handle vs direct gRPC"),
+    "hop": ("cluster.bench.hop_bench", "verifier -> drafter round trip: Serve handle, gRPC, ZeroMQ"),
 }
 
 
