@@ -69,6 +69,12 @@ class DrafterDeployment:
                     r.token_ids = held[:start] + r.token_ids
             return self.propose(requests, release, caller), resync
 
+    def check_health(self) -> None:
+        """Serve's periodic probe: a replica whose draft-call server has stopped answers no
+        verifier (they decode without drafts), so have Serve replace it."""
+        if not self.server.thread.is_alive():
+            raise RuntimeError("the draft-call server has stopped")
+
     def endpoint(self) -> str:
         """Where this replica takes direct draft calls ("tcp://host:port")."""
         return self.address

@@ -147,6 +147,34 @@ def test_direct_transport_finds_the_replacement_replica(monkeypatch):
         second.server.stop()
 
 
+def test_a_late_reply_is_not_taken_for_the_next_call():
+    """A call given up on (timed out) is answered later; the next call must get its own
+    reply, not that one, and a malformed request is an error reply, not a dead server."""
+    from cluster.serve.draft_rpc import DraftError, DraftingClient, DraftServer, _Call
+
+    def propose(requests, starts, release, caller):
+        if requests[0].seq_id == "slow":
+            time.sleep(0.5)
+        t = len(requests[0].token_ids)
+        return DraftOutput([[t]], [np.array([[t]], np.int32)], [np.ones((1, 1), np.float32)]), [False]
+
+    server = DraftServer(propose, "127.0.0.1")
+    client = DraftingClient(server.address)
+    try:
+        with pytest.raises(DraftError, match="in time"):
+            client.propose([DraftRequest("slow", [1] * 3, 1)], [0], [], "v", timeout_s=0.1).result()
+        fast = client.propose([DraftRequest("fast", [1] * 7, 1)], [0], [], "v", timeout_s=5.0)
+        assert fast.result().tokens == [[7]]  # the slow call's [[3]] arrived first and was dropped
+        client.socket.send_multipart([b"x", b"\xff not a protobuf"])  # as a foreign peer might
+        bad = client.waiting[b"x"] = _Call(client, b"x", time.monotonic() + 5)
+        with pytest.raises(DraftError, match="drafter failed"):
+            bad.result()
+        assert client.propose([DraftRequest("s", [1] * 2, 1)], [0], [], "v", 5.0).result().tokens == [[2]]
+    finally:
+        client.close()
+        server.stop()
+
+
 class Counting:
     """Wraps a replica's propose_from to see what each direct call carried."""
 
@@ -174,7 +202,10 @@ def test_direct_calls_send_only_new_tokens_and_resync_after_eviction(demo_pair):
     cfg = parse_config({"models": {"target": str(demo_pair[0]), "draft": str(demo_pair[1]), "device": "cpu"},
                         "placement": "disaggregated", "kvdir": {"url": None}})
     replica = DrafterDeployment.func_or_class(cfg.model_dump())
+    replica.check_health()
     replica.server.stop()  # serve it through the counting wrapper instead
+    with pytest.raises(RuntimeError, match="stopped"):  # Serve would replace this replica
+        replica.check_health()
     counting = Counting(replica)
     server = DraftServer(counting, "127.0.0.1")
     address = server.address
