@@ -39,7 +39,6 @@ class DrafterDeployment:
         self.drafter = build_model_drafter(cfg)
         self.lock = threading.RLock()  # propose_from holds it across propose
         self.server = DraftServer(self.propose_from, ray.util.get_node_ip_address())
-        self.address = self.server.address
         self.demand = DraftDemandMeter()
         # a verifier that dies never releases its sequences: they expire instead
         self.ttl_s = cfg.router.drafter_state_ttl_s
@@ -77,7 +76,7 @@ class DrafterDeployment:
 
     def endpoint(self) -> str:
         """Where this replica takes direct draft calls ("tcp://host:port")."""
-        return self.address
+        return self.server.address
 
     def __del__(self):
         if getattr(self, "server", None) is not None:
@@ -117,7 +116,7 @@ class _Pending(Future):
             out = self.response.result(timeout_s=self.owner.timeout_s)
         except Exception:
             self.response.cancel()  # a stale call must not run later on a recovered replica
-            self.owner._failed(self.release, self.requests)
+            self.owner._failed(self.release)
             raise
         self.owner._succeeded(self.requests, getattr(self.response, "resync", None))
         return out
@@ -164,7 +163,7 @@ class RemoteDrafter(Drafter):
         except Exception as e:  # no replica to be found: fail this call like a failed reply
             fut: Future = Future()
             fut.set_exception(e)
-            self._failed(release, requests)
+            self._failed(release)
             return fut
         return _Pending(self, response, release, requests)
 
@@ -220,16 +219,16 @@ class RemoteDrafter(Drafter):
             except Exception:
                 self.pending_release[:0] = release
 
-    def _failed(self, release: list[str], requests: list[DraftRequest]) -> None:
+    def _failed(self, release: list[str]) -> None:
         # the call may or may not have run; releasing twice is harmless, never releasing leaks
         self.pending_release[:0] = release
-        for r in requests:
-            self.held.pop(r.seq_id, None)
-        self.refresh_at = 0.0  # the probe after the back-off looks the replica up again
-        if self.client is not None:  # and calls on a fresh socket: nothing stale still queued
+        # The probe after the back-off looks the replica up again and calls on a fresh socket
+        # (nothing stale still queued), sending every sequence's tokens in full once.
+        self.refresh_at = 0.0
+        if self.client is not None:
             self.client.close()
             self.client = None
-            self.held.clear()
+        self.held.clear()
         if not self.backoff_s:
             log.warning("drafter unavailable; decoding without drafts, retrying with back-off")
         self.backoff_s = min(self.MAX_BACKOFF_S, max(self.MIN_BACKOFF_S, 2 * self.backoff_s))
