@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_gemm_rows  # noqa: E402
 from gpu_gemm_rows import cublas, sweep, tuned_configs  # noqa: E402
 
-from cluster.bench.synthetic import copy_bandwidth  # noqa: E402
+from cluster.bench.synthetic import copy_bandwidth, cuda_time  # noqa: E402
 from cluster.engine import gemv  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
@@ -35,6 +35,10 @@ DEV, DT = ("cpu", torch.float32) if SMOKE else ("cuda", torch.bfloat16)
 
 def main() -> int:
     if SMOKE:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
+        from gemv_check import numpy24_index
+
+        numpy24_index()  # the interpreter under numpy >= 2.4, as the CPU test runs it
         gpu_gemm_rows.graph_time = lambda fn, copies: (fn(0), 1e-3)[1]
     n, k = (40, 1024) if SMOKE else (4096, 14336)
     bw = 1e12 if SMOKE else copy_bandwidth()
@@ -72,27 +76,24 @@ def step_ab() -> int:
     from transformers import AutoTokenizer
 
     from cluster.bench.embed import demo_8b
-    from cluster.bench.synthetic import cuda_time
     from cluster.engine.engine import Engine
     from cluster.engine.scheduler import EngineConfig
+    from gpu_bench import step_calls
 
     demo = Path(__file__).resolve().parents[1] / "cluster" / "models" / "demo"
     target, _ = demo_8b(demo / "target", demo / "draft")
     tok = AutoTokenizer.from_pretrained(demo / "target")
     cfg = EngineConfig(max_num_seqs=4, max_model_len=1024, prefix_cache_blocks=0, gamma=4, gamma_max=8,
                        device="cuda", dtype="bfloat16", compile=True)
-    ctx = list(range(100, 612))
-    engines, runs = {}, {}
+    runs, default = {}, gemv.SPLIT_K
     for split in (0, 4):
-        gemv.SPLIT_K = split  # read when a graph is captured: these engines' graphs keep it
-        e = engines[split] = Engine(target, tok, cfg, {}, None, identity=f"split{split}")
-        slot = e.kv.allocate()
-        e.runner.forward([slot], [0], [ctx], last_only=True)
-        runs[split] = {"decode": lambda e=e, s=slot: e.runner.forward([s], [512], [[5]], last_only=False),
-                       "verify5": lambda e=e, s=slot: e.runner.forward([s], [512], [[5] * 5], last_only=False)}
+        gemv.SPLIT_K = split  # read when a graph is captured: this engine's graphs keep it
+        engine = Engine(target, tok, cfg, {}, None, identity=f"split{split}")
+        _, step = step_calls(engine, list(range(100, 612)), (1, 5))  # the calls keep the engine alive
+        runs[split] = {"decode": step[1], "verify5": step[5]}
         for fn in runs[split].values():
             fn()  # capture
-    gemv.SPLIT_K = 0
+    gemv.SPLIT_K = default
     R = {"device": torch.cuda.get_device_name(), "turns": []}
     for _ in range(5):
         R["turns"].append({f"split{s}_{name}_ms": 1e3 * cuda_time(fn, 50) for s in runs for name, fn in runs[s].items()})
