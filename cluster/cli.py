@@ -9,6 +9,8 @@ import signal
 import sys
 import time
 
+from cluster.engine.drafters.registry import DRAFTERS
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, non-zero exit
@@ -52,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--speculation", type=_speculation, default="auto", help="off | auto | K (fixed gamma)")
-    g.add_argument("--drafter", choices=["model", "ngram", "medusa"])
+    g.add_argument("--drafter", choices=list(DRAFTERS))
     g.add_argument("--target", help="target HF model directory (local mode)")
     g.add_argument("--draft", help="draft HF model directory (local mode)")
     g.add_argument("--config", help="cluster YAML for local mode")

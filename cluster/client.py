@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
+from cluster.engine.drafters.registry import DRAFTERS
 from cluster.proto import generation_pb2 as pb
 from cluster.proto import generation_pb2_grpc as pb_grpc
 
@@ -54,8 +55,8 @@ def build_request(
     request_id: str = "",
 ) -> pb.GenerateRequest:
     """Build a GenerateRequest; None leaves an optional field unset (server default)."""
-    if drafter not in ("", "model", "ngram"):
-        raise ValueError(f"drafter must be 'model', 'ngram' or '', got {drafter!r}")
+    if drafter and drafter not in DRAFTERS:
+        raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)} or '', got {drafter!r}")
     request = pb.GenerateRequest(
         prompt=prompt,
         max_tokens=max_tokens,

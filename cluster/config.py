@@ -12,12 +12,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from cluster.engine.scheduler import EngineConfig
+from cluster.engine.config import DERIVED, EngineConfig
+from cluster.engine.drafters.registry import DRAFTERS
 from cluster.policy.config import SpeculationPolicyConfig, describe_error, load_policy
 
 DEMO_DIR = Path(__file__).parent / "models" / "demo"
 ALIASES = {"demo-target": DEMO_DIR / "target", "demo-draft": DEMO_DIR / "draft",
-           # the demo pair embedded in Llama-3.1-8B dimensions (cluster/bench/embed.py): 8B cost, demo acceptance
+           # the demo pair embedded in Llama-3.1-8B dimensions (cluster/engine/embedded.py): 8B cost, demo acceptance
            "demo-8b-target": DEMO_DIR.parent / "demo-8b" / "target", "demo-8b-draft": DEMO_DIR.parent / "demo-8b" / "draft"}
 
 
@@ -35,10 +36,13 @@ class ModelsConfig(_Strict):
     """Target model: a Hugging Face directory (config.json, safetensors, tokenizer) or 'demo-target'."""
     draft: str | None = "demo-draft"
     """Draft model directory (same tokenizer as the target), 'demo-draft', or null."""
-    drafter: Literal["model", "ngram", "medusa", "none"] = "model"
-    """Default proposer: the draft model, n-gram prompt lookup, Medusa heads (medusa_heads.safetensors
-    beside the target, from `spec-cluster models train-medusa`; in-process, gamma = tree nodes),
-    or none (plain decoding)."""
+    drafter: str = "model"
+    """Default proposer, a name from the drafter registry (cluster/engine/drafters/registry.py):
+    model (the draft model), ngram (prompt lookup), medusa (heads beside the target, from
+    `spec-cluster models train-medusa`; in-process, gamma = tree nodes), early-exit (the
+    target's first layers; in-process), or none (plain decoding)."""
+    early_exit_layers: int = Field(0, ge=0)
+    """Layers the early-exit drafter runs; 0: a quarter of the target's."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weight and activation dtype; bfloat16 on GPUs, float32 for exact CPU runs."""
     device: str = "auto"
@@ -48,48 +52,11 @@ class ModelsConfig(_Strict):
 
     @model_validator(mode="after")
     def _draft_needed(self):
+        if self.drafter != "none" and self.drafter not in DRAFTERS:
+            raise ValueError(f"unknown drafter {self.drafter!r} (registered: {', '.join(DRAFTERS)}, or none)")
         if self.drafter == "model" and not self.draft:
             raise ValueError("drafter 'model' needs models.draft")
         return self
-
-
-class EngineSection(_Strict):
-    max_num_seqs: int = Field(32, ge=1)
-    """KV slots per verifier replica: sequences decoding at once."""
-    max_model_len: int = Field(1024, ge=16)
-    """Prompt plus output tokens per sequence."""
-    max_waiting: int = Field(64, ge=0)
-    """Bounded admission queue per replica; beyond it requests get RESOURCE_EXHAUSTED."""
-    max_batch_tokens: int = Field(512, ge=1)
-    """Verify-token budget of one step: sum of gamma+1 over rows plus prefill tokens."""
-    prefill_chunk: int = Field(256, ge=1)
-    """Prompt tokens per sequence per step (chunked prefill)."""
-    block_size: int = Field(16, ge=1)
-    """Tokens per prefix block (the unit of the block hash and the KV directory)."""
-    prefix_cache_blocks: int = Field(512, ge=0)
-    """Prompt blocks kept for reuse per replica; 0 disables the prefix cache."""
-    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
-    """KV cache element type: auto (the model's dtype) or fp8 (e4m3 with per-layer scales
-    calibrated at start-up; on FA3 attention itself runs in fp8). Half the cache bytes;
-    accuracy in benchmarks/gpu/h100/fp8."""
-    compile: bool = False
-    """GPU fast path: Triton GEMV with fused norm/SiLU/residual for batch-1 steps and
-    torch.compile'd elementwise kernels (CUDA only; ignored on CPU). Costs warm-up time."""
-    draft_look_ahead: bool = True
-    """A model drafter in the verifier's process (colocated) on a GPU drafts the next step on
-    its own CUDA stream while the target verifies, guessing every draft is accepted; a right
-    guess saves that step's drafting. Remote drafters look ahead while the waits their hits
-    save outweigh the waits their misses cost (cluster/engine/drafting.py); false turns both
-    off (a drafter replica sharing the verifier's GPU competes with its verify pass: H100, 8B
-    shape, 0.84 of colocated with it on or off, benchmarks/serve_gpu)."""
-
-    def engine_config(self, models: ModelsConfig, gamma: int, gamma_max: int) -> EngineConfig:
-        device = models.device
-        if device == "auto":
-            import torch
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        return EngineConfig(**self.model_dump(), gamma=min(gamma, gamma_max), gamma_max=gamma_max,
-                            device=device, dtype=models.dtype, attention=models.attention)
 
 
 class DeploymentSection(_Strict):
@@ -171,7 +138,7 @@ class ClusterConfig(_Strict):
     name: str = "default"
     """Cluster name; namespaces the KV directory keys."""
     models: ModelsConfig = Field(default_factory=ModelsConfig)
-    engine: EngineSection = Field(default_factory=EngineSection)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
     speculation: SpeculationPolicyConfig = Field(default_factory=lambda: SpeculationPolicyConfig(mode="fixed", gamma=4))
     """What "auto" requests get: inline (mode, gamma, table, ...) or the path of a policy
     file such as configs/policy/goodput.yaml (read once, here, relative to the working dir)."""
@@ -185,6 +152,19 @@ class ClusterConfig(_Strict):
     autoscaling_file: str | None = None
     """configs/autoscaling.yaml-style file used by deployments with autoscaling: true."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_fields_elsewhere(cls, data):
+        # one place for each setting: these engine fields are read from other sections
+        engine = data.get("engine") if isinstance(data, dict) else None
+        if isinstance(engine, dict):
+            home = {"device": "models", "dtype": "models", "attention": "models",
+                    "gamma": "speculation", "gamma_max": "speculation"}
+            for key in DERIVED:
+                if key in engine:
+                    raise ValueError(f"engine.{key} is set as {home[key]}.{key}")
+        return data
+
     @field_validator("speculation", mode="before")
     @classmethod
     def _policy_file(cls, v):
@@ -192,8 +172,15 @@ class ClusterConfig(_Strict):
         return load_policy(v) if isinstance(v, (str, Path)) else v
 
     def engine_config(self) -> EngineConfig:
-        s = self.speculation
-        return self.engine.engine_config(self.models, s.gamma, s.gamma_max)
+        """The engine section with the fields other sections set (device 'auto' resolved)."""
+        m, s = self.models, self.speculation
+        device = m.device
+        if device == "auto":
+            import torch
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return EngineConfig.model_validate({**self.engine.model_dump(), "device": device, "dtype": m.dtype,
+                                            "attention": m.attention, "gamma": min(s.gamma, s.gamma_max),
+                                            "gamma_max": s.gamma_max})
 
 
 class ConfigError(ValueError):

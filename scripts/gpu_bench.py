@@ -1,5 +1,5 @@
 """Hopper speed of the verifier engine at Llama-3.1-8B dimensions (bf16), with a drafter
-whose acceptance is real: the trained demo pair embedded in the 8B shape (cluster/bench/embed.py;
+whose acceptance is real: the trained demo pair embedded in the 8B shape (cluster/engine/embedded.py;
 every weight of the 8B shape is read each step, the function is the demo target's).
 
     bash scripts/gpu_bench.sh      # on the GPU machine; writes $OUT/gpu_bench.json
@@ -26,14 +26,16 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench.embed import demo_8b
+from cluster.engine.embedded import demo_8b
 from cluster.bench.synthetic import copy_bandwidth, cuda_time
 from cluster.bench.workloads import code_prompts
 from cluster.engine.attention import AttnContext, SdpaBackend, make_backend
-from cluster.engine.drafter import DraftRequest, ModelDrafter, NgramDrafter
+from cluster.engine.drafters.base import DraftRequest
+from cluster.engine.drafters.model import ModelDrafter
+from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.engine import Engine
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.scheduler import EngineConfig
+from cluster.engine.config import EngineConfig
 from cluster.engine.sequence import SpecParams
 from cluster.policy import SpeculationPolicyConfig, make_controller
 
@@ -135,7 +137,7 @@ def main() -> int:
     cfg = EngineConfig(max_num_seqs=64, max_model_len=1024, max_batch_tokens=4096, prefill_chunk=512,
                        prefix_cache_blocks=0, gamma=4, gamma_max=8, device="cuda", dtype="bfloat16",
                        compile=os.environ.get("COMPILE", "1") == "1")
-    drafter = ModelDrafter(draft, cfg.max_num_seqs + 2, cfg.max_model_len, cfg.gamma_max)
+    drafter = ModelDrafter(draft, cfg.max_num_seqs + 2, cfg.max_model_len)
     tok = AutoTokenizer.from_pretrained(DEMO / "target")
     engine = Engine(target, tok, cfg, {"model": drafter, "ngram": NgramDrafter()}, "model", identity="demo-8b")
     R["backend"], R["compiled_kernels"] = engine.backend, cfg.compile

@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from cluster.bench.embed import demo_8b
+from cluster.engine.embedded import demo_8b
 from cluster.bench.workloads import code_prompts
-from cluster.engine.drafter import ModelDrafter
+from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.model import load_model
+from cluster.engine.loader import load_model
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.scheduler import EngineConfig
+from cluster.engine.config import EngineConfig
 from cluster.engine.sequence import SpecParams
 
 DEMO = Path(__file__).resolve().parents[1] / "cluster" / "models" / "demo"
@@ -28,7 +28,7 @@ OUT = os.environ.get("OUT", ".")
 
 def run(target, draft, tok, **kw):
     cfg = EngineConfig(max_num_seqs=4, max_model_len=512, device="cuda", dtype="bfloat16", **kw)
-    eng = Engine(target, tok, cfg, {"model": ModelDrafter(draft, 6, 512, cfg.gamma_max)}, "model")
+    eng = Engine(target, tok, cfg, {"model": ModelDrafter(draft, 6, 512)}, "model")
     prompts = code_prompts(3, seed=11)
     p = SamplingParams(max_tokens=64, ignore_eos=True)
     plain = [r["token_ids"] for r in eng.generate(prompts, p, SpecParams("off"))]

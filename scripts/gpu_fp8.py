@@ -66,15 +66,15 @@ def step_ms(engine, batch: int, width: int, ctx: int) -> float:
 
 
 def measure(kv_dtype: str, target, draft, tok, prompts, seqs) -> dict:
-    from cluster.engine.drafter import ModelDrafter
+    from cluster.engine.drafters.model import ModelDrafter
     from cluster.engine.engine import Engine
-    from cluster.engine.scheduler import EngineConfig
+    from cluster.engine.config import EngineConfig
     from cluster.engine.sequence import SpecParams
 
     cfg = EngineConfig(max_num_seqs=BATCH, max_model_len=CTX + 64, max_batch_tokens=4096, prefill_chunk=512,
                        prefix_cache_blocks=0, gamma=4, gamma_max=4, device=DEV, dtype="float32" if SMOKE else "bfloat16",
                        compile=not SMOKE, kv_cache_dtype=kv_dtype)
-    drafter = ModelDrafter(draft, cfg.max_num_seqs + 2, 1024, cfg.gamma_max)
+    drafter = ModelDrafter(draft, cfg.max_num_seqs + 2, 1024)
     t = time.time()
     engine = Engine(target, tok, cfg, {"model": drafter}, "model", identity="demo-8b")
     r = {"start_s": time.time() - t, "kv_bytes": engine.kv.k.numel() * engine.kv.k.element_size() * 2,
@@ -118,11 +118,11 @@ def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
 def main() -> int:
     from transformers import AutoTokenizer
 
-    from cluster.bench.embed import demo_8b
+    from cluster.engine.embedded import demo_8b
     from cluster.bench.workloads import code_prompts
 
     if SMOKE:
-        from cluster.engine.model import load_model
+        from cluster.engine.loader import load_model
 
         target, draft = (load_model(DEMO / n, torch.float32, "cpu") for n in ("target", "draft"))
     else:

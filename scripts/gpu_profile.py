@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from cluster.bench.synthetic import copy_bandwidth, cuda_time, NullTokenizer, random_llama
 from cluster.engine.engine import Engine
-from cluster.engine.scheduler import EngineConfig
+from cluster.engine.config import EngineConfig
 
 OUT = os.environ.get("OUT", ".")
 

@@ -75,9 +75,9 @@ def main() -> int:
 def step_ab() -> int:
     from transformers import AutoTokenizer
 
-    from cluster.bench.embed import demo_8b
+    from cluster.engine.embedded import demo_8b
     from cluster.engine.engine import Engine
-    from cluster.engine.scheduler import EngineConfig
+    from cluster.engine.config import EngineConfig
     from gpu_bench import step_calls
 
     demo = Path(__file__).resolve().parents[1] / "cluster" / "models" / "demo"

@@ -27,7 +27,7 @@ TRANSPORTS = ("serve handle", "serve handle, gRPC transport", "direct gRPC, new 
 
 
 def _reply(n: int):
-    from cluster.engine.drafter import DraftOutput, one_hot
+    from cluster.engine.drafters.base import DraftOutput, one_hot
 
     hot = [one_hot([7] * 4) for _ in range(n)]
     return DraftOutput([[7] * 4] * n, [h[0] for h in hot], [h[1] for h in hot])
@@ -91,7 +91,7 @@ def _deployments():
             self.drafter = drafter
 
         def run(self, calls: int, batch: int, context: int) -> dict:
-            from cluster.engine.drafter import DraftRequest
+            from cluster.engine.drafters.base import DraftRequest
             from cluster.serve.draft_rpc import DraftingClient
 
             reqs = [DraftRequest(f"s{i}", list(range(context)), 4) for i in range(batch)]

@@ -117,7 +117,7 @@ def hf_baseline(target: str, draft: str | None, prompts, max_tokens: int) -> dic
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cluster.engine.model import load_tokenizer
+    from cluster.engine.loader import load_tokenizer
 
     tok = load_tokenizer(target)
     dev = "cuda" if torch.cuda.is_available() else "cpu"

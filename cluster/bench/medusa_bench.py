@@ -24,7 +24,7 @@ from cluster.bench.engine_bench import run
 from cluster.bench.report import figure, write_json
 from cluster.bench.workloads import code_prompts
 from cluster.config import DEMO_DIR, parse_config
-from cluster.engine.medusa import CHAIN, CONFIG_FILE, MedusaDrafter
+from cluster.engine.drafters.medusa import CHAIN, CONFIG_FILE, MedusaDrafter
 from cluster.engine.sampling import SamplingParams
 from cluster.engine.sequence import SpecParams
 from cluster.serve.build import build_engine
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     engine = build_engine(parse_config({"models": {"device": args.device}, "engine": {"max_model_len": 1024},
                                         "speculation": {"gamma_max": max(trees + [8])}}))
     medusa = engine.drafters["medusa"]
-    engine.drafters["medusa-chain"] = MedusaDrafter(engine, medusa.heads, CHAIN[: medusa.heads.num_heads])
+    engine.drafters["medusa-chain"] = MedusaDrafter.for_target(medusa.heads, engine.model, CHAIN[: medusa.heads.num_heads])
     prompts = code_prompts(args.prompts, seed=1)
     engine.generate(prompts[:1], SamplingParams(max_tokens=8), SpecParams("fixed", 2), "medusa")  # warm-up
     gammas = [int(g) for g in args.gammas.split(",")]

@@ -21,8 +21,6 @@ is written.
 from __future__ import annotations
 
 import argparse
-import random
-import re
 import statistics
 import sys
 import time
@@ -32,32 +30,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from cluster.bench.policies import BASELINES, POLICIES, policy_config, requests
 from cluster.bench.report import figure, write_json
-from cluster.bench.workloads import code_prompts
 from cluster.config import parse_config
 from cluster.engine.sampling import SamplingParams
 from cluster.engine.sequence import SpecParams
-from cluster.policy.config import SpeculationPolicyConfig, load_policy
 from cluster.serve.build import build_engine
-
-POLICY_DIR = Path(__file__).resolve().parents[2] / "configs" / "policy"
-POLICIES = {"off": "off.yaml", "fixed4": "fixed4.yaml", "table": "table.yaml", "goodput": "goodput.yaml"}
-BASELINES = ("off", "fixed4", "table")
-
-
-def requests(n: int, min_tokens: int, max_tokens: int, seed: int = 0) -> list[tuple[str, int]]:
-    """(prompt, max_tokens): lengths vary so finishes (and refills) spread over the run."""
-    rng = random.Random(seed)
-    return [(p, rng.randint(min_tokens, max_tokens)) for p in code_prompts(n, seed=seed)]
-
-
-def policy_config(name: str) -> dict:
-    """A shipped policy file, or `fixedK` (any K: an oracle sweep to compare against)."""
-    if name in POLICIES:
-        return load_policy(POLICY_DIR / POLICIES[name]).model_dump()
-    if re.fullmatch(r"fixed\d+", name):
-        return SpeculationPolicyConfig(mode="fixed", gamma=int(name[5:])).model_dump()
-    raise SystemExit(f"unknown policy {name!r}: {', '.join(POLICIES)} or fixedK")
 
 
 def cluster_config(policy: str, max_num_seqs: int, overrides: dict | None = None) -> dict:
@@ -152,7 +130,8 @@ def run_level(engines: dict, reqs: list[tuple[str, int]], c: int) -> list[Stream
 def build_engines(policies: list[str], max_num_seqs: int) -> dict:
     """One engine per policy, all on the same target and draft weights (built once), so
     the interleaved steps do not evict each other's weights from the CPU caches."""
-    from cluster.engine.drafter import ModelDrafter, NgramDrafter
+    from cluster.engine.drafters.model import ModelDrafter
+    from cluster.engine.drafters.ngram import NgramDrafter
     from cluster.engine.engine import Engine
     from cluster.policy.controller import make_controller
 
@@ -163,7 +142,7 @@ def build_engines(policies: list[str], max_num_seqs: int) -> dict:
         cfg = parse_config(cluster_config(p, max_num_seqs))
         ec = cfg.engine_config()
         drafters = {"ngram": NgramDrafter(),
-                    "model": ModelDrafter(draft_model, 2 * ec.max_num_seqs, ec.max_model_len, ec.gamma_max)}
+                    "model": ModelDrafter(draft_model, 2 * ec.max_num_seqs, ec.max_model_len)}
         e = Engine(first.model, first.tokenizer, ec, drafters, "model", identity=cfg.models.target)
         e.controller = make_controller(cfg.speculation)
         engines[p] = e

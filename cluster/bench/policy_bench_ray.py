@@ -66,7 +66,7 @@ def main(args) -> int:
     import ray
     from ray import serve
 
-    from cluster.bench.policy_bench import POLICIES, policy_config, requests
+    from cluster.bench.policies import POLICIES, policy_config, requests
     from cluster.client import Client
     from cluster.config import parse_config
     from cluster.engine.sampling import SamplingParams

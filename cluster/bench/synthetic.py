@@ -6,11 +6,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig
 
+from cluster.engine.embedded import LLAMA_8B
 from cluster.engine.model import CausalLM, ModelShape, Rotary
-
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, intermediate_size=14336, max_position_embeddings=8192,
-                rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
 
 
 def random_llama(layers: int | None = None, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0) -> CausalLM:

@@ -7,12 +7,7 @@ import random
 import sysconfig
 from pathlib import Path
 
-from cluster.training.demo_data import is_held_out
-
-
-# Test suites are left out: the demo pair was trained on an image whose stdlib has none, so
-# they are a different distribution from what it learned (and from its own held-out split).
-SKIP_DIRS = {"site-packages", "__pycache__", "test", "tests", "idle_test"}
+from cluster.training.demo_data import SKIP_DIRS, is_held_out
 
 
 def held_out_files(root: str | None = None) -> list[Path]:

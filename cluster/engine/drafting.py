@@ -1,5 +1,8 @@
 """Per-step drafting: one propose call per drafter for the whole batch.
 
+Each request carries what its drafter reads (Drafter.reads_hidden, reads_target_kv), so no
+drafter reaches into the engine.
+
 For a drafter that can work while the target verifies (`Drafter.look_ahead`), the next
 step's drafts are asked for during this step's verify pass, on the assumption that every
 draft is accepted and the bonus token is the drafter's own next guess: the request is
@@ -12,17 +15,12 @@ For a drafter in another process ("gated") a miss costs only if the guessed call
 running when the verify pass ends: the fresh call waits for it (the replica serves calls in
 order). So looking ahead stays on while what hits save pays for what misses wait:
 hit rate x (wait for a fresh draft) >= miss rate x (wait for a guessed reply that then
-missed), each an average per drafter, re-tried every `probe_every` steps when off. A gate
-on the hit rate alone (0.35) turned it off after six guesses on an H100 at batch 1, where
-guesses hit ~0.375 of the time and a ~3 ms call mostly returns within a ~7 ms verify; gated
-by cost it stayed on for 78 guesses of ~300 steps there and hit 51, though the net speed
-did not move (benchmarks/serve_gpu/h100_8b_lookahead_gate).
+missed), each an average per drafter, re-tried every `probe_every` steps when off. (A gate on
+the hit rate alone turned it off where it paid: benchmarks/serve_gpu/h100_8b_lookahead_gate.)
 
 A drafter on its own CUDA stream ("free") drafts while the host would only wait for the
-verify pass, so it looks ahead whenever it drafts a single row: on an H100 (8B shape,
-gamma 4) that took batch-1 speculation from 396 to 445 tokens/s, while with 4 rows it halved
-the speculative throughput and with 16 the run stalled (not yet understood;
-benchmarks/gpu/h100/gpu_bench_lookahead_all_rows.log).
+verify pass, so it looks ahead whenever it drafts a single row; with several rows it cost
+more than it saved (benchmarks/gpu/h100).
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from cluster.engine.drafter import Drafter, DraftOutput, DraftRequest
+from cluster.engine.drafters.base import Drafter, DraftOutput, DraftRequest
 from cluster.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -72,7 +70,7 @@ class DraftPlanner:
             if g > 0:
                 groups.setdefault(s.drafter or self.default, []).append(b)
         fresh = {name: self._take_ahead(name, idx, rows, out) for name, idx in groups.items()}
-        calls = {name: self.drafters[name].propose_async([self._request(rows[b]) for b in idx])
+        calls = {name: self.drafters[name].propose_async([self._request(self.drafters[name], rows[b]) for b in idx])
                  for name, idx in fresh.items() if idx}
         for name, fut in calls.items():
             t = time.perf_counter()
@@ -102,9 +100,14 @@ class DraftPlanner:
         return hit * self.fresh_s.get(name, 0.0) >= (1 - hit) * self.wasted_s.get(name, 0.0)
 
     @staticmethod
-    def _request(row: tuple[Sequence, int]) -> DraftRequest:
+    def _request(drafter: Drafter, row: tuple[Sequence, int]) -> DraftRequest:
         s, g = row
-        return DraftRequest(s.seq_id, s.token_ids, g, s.params)
+        req = DraftRequest(s.seq_id, s.token_ids, g, s.params)
+        if drafter.reads_hidden and s.hidden is not None and s.hidden[0] == len(s.token_ids):
+            req.hidden = s.hidden[1]  # fresh: taken at this length (Sequence.hidden)
+        if drafter.reads_target_kv:
+            req.target_kv = (s.slot, s.num_cached)
+        return req
 
     @staticmethod
     def _fill(out: DraftOutput, b: int, res: DraftOutput, j: int, start: int, g: int) -> None:

@@ -18,36 +18,31 @@ from pathlib import Path
 import torch
 
 from cluster.engine import fp8
-from cluster.engine.drafter import DraftOutput, Drafter
+from cluster.engine.acceptance import Accepted, accept
+from cluster.engine.config import EngineConfig
+from cluster.engine.drafters.base import Drafter, DraftOutput
 from cluster.engine.drafting import DraftPlanner
 from cluster.engine.hashing import model_seed
 from cluster.engine.kv_cache import KVCache
-from cluster.engine.model import CausalLM, compile_kernels, load_model, load_tokenizer
+from cluster.engine.loader import load_model, load_tokenizer
+from cluster.engine.model import CausalLM, compile_kernels
+from cluster.engine.observation import StepObservation, observation
 from cluster.engine.pipeline import DecodePipeline
+from cluster.engine.requests import RequestLimits, validate_request
 from cluster.engine.runner import Runner
-from cluster.engine.sampling import InvalidRequest, SamplingParams, rejection_sample, target_probs
-from cluster.engine.scheduler import EngineConfig, Scheduler
+from cluster.engine.sampling import InvalidRequest, SamplingParams
+from cluster.engine.scheduler import Scheduler
 from cluster.engine.sequence import RequestOutput, Sequence, SpecParams
 from cluster.engine.stopping import Detokenizer
-from cluster.engine.tree import verify_tree
-from cluster.policy.controller import StepObservation
+from cluster.engine.tree import keep_path
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def observation(batch: int, verify_tokens: int, verify_s: float, draft_s: float,
-                num_draft: list[int], num_acc: list[int], pipelined: bool = False) -> StepObservation:
-    g = max(num_draft, default=0)
-    return StepObservation(batch, g, verify_tokens, verify_s, draft_s, sum(num_draft),
-                           [sum(a > j for a in num_acc) for j in range(g)],
-                           [sum(d > j for d in num_draft) for j in range(g)], pipelined)
-
-
 class Engine:
     def __init__(self, model: CausalLM, tokenizer, cfg: EngineConfig, drafters: dict[str, Drafter] | None = None,
                  default_drafter: str | None = None, identity: str = "model"):
-        cfg.validate()
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         s = model.shape
         self.max_model_len = min(cfg.max_model_len, s.max_positions)
@@ -101,7 +96,8 @@ class Engine:
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str | None = "model",
                         cfg: EngineConfig | None = None) -> "Engine":
-        from cluster.engine.drafter import ModelDrafter, NgramDrafter
+        from cluster.engine.drafters.model import ModelDrafter
+        from cluster.engine.drafters.ngram import NgramDrafter
 
         cfg = cfg or EngineConfig()
         dtype = DTYPES[cfg.dtype]
@@ -111,7 +107,7 @@ class Engine:
             dm = load_model(draft, dtype, cfg.device)
             if dm.shape.vocab_size != model.shape.vocab_size:
                 raise ValueError(f"draft vocab {dm.shape.vocab_size} != target vocab {model.shape.vocab_size}")
-            drafters["model"] = ModelDrafter(dm, cfg.max_num_seqs * 2, cfg.max_model_len, cfg.gamma_max)
+            drafters["model"] = ModelDrafter(dm, cfg.max_num_seqs * 2, cfg.max_model_len)
         if drafter is not None and drafter not in drafters:
             raise ValueError(f"unknown drafter {drafter!r} (available: {', '.join(drafters)})")
         tok = load_tokenizer(target)
@@ -122,21 +118,8 @@ class Engine:
                     spec: SpecParams | None = None, drafter: str | None = None, request_id: str | None = None) -> str:
         params = params or SamplingParams()
         spec = spec or SpecParams()
-        params.validate()
-        if spec.mode not in ("auto", "off", "fixed"):
-            raise InvalidRequest(f"speculation mode must be auto, off or fixed, got {spec.mode!r}")
-        if spec.mode == "fixed" and not 0 <= spec.gamma <= self.cfg.gamma_max:
-            raise InvalidRequest(f"speculation gamma must be in [0, {self.cfg.gamma_max}], got {spec.gamma}")
-        if drafter is not None and drafter not in self.drafters:
-            raise InvalidRequest(f"unknown drafter {drafter!r} (available: {', '.join(self.drafters) or 'none'})")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not ids:
-            raise InvalidRequest("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequest(f"prompt has {len(ids)} tokens; the limit is {self.max_model_len - 1} "
-                                 f"(max_model_len {self.max_model_len})")
-        if any(not 0 <= t < self.model.shape.vocab_size for t in ids):
-            raise InvalidRequest("prompt token id out of vocabulary")
+        validate_request(ids, params, spec, drafter, self.limits)
         sid = request_id or f"req-{next(self._ids)}"
         if sid in self.seqs:
             raise InvalidRequest(f"request id {sid!r} is already in flight")
@@ -152,6 +135,12 @@ class Engine:
         seq = self.seqs.pop(seq_id, None)
         if seq is not None:
             self._release(seq, "abort")
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What a request may ask of this engine (every ingress checks the same)."""
+        return RequestLimits(self.max_model_len, self.cfg.gamma_max, self.model.shape.vocab_size,
+                             tuple(self.drafters))
 
     @property
     def has_work(self) -> bool:
@@ -199,8 +188,9 @@ class Engine:
                     self.kv.prefix.store(seq.prompt_ids, seq.slot)
         if not done:
             return []
-        first = self._sample([seqs[b] for b in done], logits[done][:, None], DraftOutput([[]] * len(done), [], []))
-        return self._keep_hidden(self._accept([seqs[b] for b in done], first, [0] * len(done)), hidden[done])
+        rows = [seqs[b] for b in done]
+        first = self._acceptance(rows, logits[done][:, None], DraftOutput([[]] * len(done), [], []))
+        return self._keep_hidden(self._accept(rows, first.tokens, [0] * len(done)), hidden[done])
 
     def _gammas(self) -> dict[str, int]:
         rows = [s for s in self.scheduler.running if s.prefilled]
@@ -234,11 +224,13 @@ class Engine:
             logits, hidden = self.runner.forward([s.slot for s in seqs], [s.num_cached for s in seqs], feeds,
                                                  last_only=False, trees=drafts.parents, hidden=True)
             self.planner.ask_ahead(rows, drafts)  # on a GPU the verify pass runs meanwhile
-            if drafts.parents is None:  # chains only; ends: feed index of each row's last accepted token
-                out = self._sample(seqs, logits, drafts)
-                ends = [len(o) - 1 for o in out]
-            else:  # some rows drafted trees (Medusa)
-                out, ends = verify_tree(self, seqs, logits, drafts)
+            result = self._acceptance(seqs, logits, drafts)
+            if drafts.parents is not None:  # tree rows: the accepted path's K/V moves up behind the root
+                for b, s in enumerate(seqs):
+                    if drafts.parents[b] is not None:
+                        keep_path(self.kv, s.slot, s.num_cached, result.paths[b])
+            out = result.tokens
+            ends = [result.last_fed(b) for b in range(len(seqs))]
             accepted = self._keep_hidden(self._accept(seqs, out, [len(d) for d in drafts.tokens]), hidden, ends)
         t2 = time.perf_counter()
         self.totals["draft_s"] += t1 - t0
@@ -259,48 +251,14 @@ class Engine:
         """Greedy plain decoding on CUDA graphs runs a step ahead (cluster.engine.pipeline);
         not where a drafter reads the target's hidden states, which that path skips."""
         return (self.pipeline is not None and not any(drafts.tokens) and self.pipeline.eligible(seqs)
-                and not any(d.needs_hidden for d in self.drafters.values()))
+                and not any(d.reads_hidden for d in self.drafters.values()))
 
     def _left(self, seq: Sequence) -> int:
         return min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - len(seq.token_ids))
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, drafts: DraftOutput) -> list[list[int]]:
-        """logits [B, T, V] at each row's fed positions -> accepted drafts + one new token per row."""
-        B, vocab = len(seqs), logits.shape[-1]
-        G = max((len(t) for t in drafts.tokens), default=0)
-        dev = logits.device
-        if all(s.params.greedy for s in seqs):
-            # A one-hot target accepts drafts while they equal its argmax, then adds the argmax
-            # at the first miss: what the rejection sampler computes, without vocabulary-sized
-            # tensors or a dozen small kernels and copies per step (1 ms of host work at batch 1).
-            best = logits[:, : G + 1].argmax(-1).tolist()
-            out = []
-            for row, t in zip(best, drafts.tokens):
-                n = 0
-                while n < len(t) and t[n] == row[n]:
-                    n += 1
-                out.append(row[: n + 1])
-            return out
-        p = target_probs(logits[:, : G + 1].reshape(-1, vocab), [s.params for s in seqs], G + 1).view(B, G + 1, vocab)
-        q = torch.zeros((B, G, vocab), device=dev)
-        draft_ids = torch.full((B, G), -1, dtype=torch.int64)
-        for b, t in enumerate(drafts.tokens):
-            if t:
-                draft_ids[b, : len(t)] = torch.tensor(t)
-                ids = torch.as_tensor(drafts.q_ids[b][: len(t)], dtype=torch.int64, device=dev)
-                q[b, : len(t)].scatter_add_(-1, ids, torch.as_tensor(drafts.q_probs[b][: len(t)], device=dev))
-        # Randomness only for sampled rows (greedy rows are one-hot and need none), drawn from
-        # each request's own generator so a seed reproduces its output.
-        uniform = torch.zeros((B, G), device=dev)  # greedy: accept iff p(d) > 0, i.e. d is the argmax
-        noise = torch.ones((B, vocab), device=dev)
-        for b, s in enumerate(seqs):
-            if not s.params.greedy:
-                uniform[b] = torch.rand(G, generator=s.generator).to(dev)
-                noise[b] = torch.empty(vocab).exponential_(generator=s.generator).clamp_(min=1e-20).to(dev)
-        num_draft = torch.tensor([len(t) for t in drafts.tokens], device=dev)
-        out, num_acc = rejection_sample(draft_ids.to(dev), num_draft, q, p, uniform, noise)
-        out, num_acc = out.tolist(), num_acc.tolist()
-        return [row[: n + 1] for row, n in zip(out, num_acc)]
+    @staticmethod
+    def _acceptance(seqs: list[Sequence], logits: torch.Tensor, drafts: DraftOutput) -> Accepted:
+        return accept(logits, [s.params for s in seqs], [s.generator for s in seqs], drafts)
 
     def _accept(self, seqs: list[Sequence], new: list[list[int]], num_draft: list[int]) -> list[Sequence]:
         now = time.perf_counter()
@@ -326,8 +284,9 @@ class Engine:
         return seqs
 
     def _keep_hidden(self, seqs: list[Sequence], hidden: torch.Tensor, ends: list[int] | None = None) -> list[Sequence]:
-        """Keep the target's state at each row's last accepted token (feed index ends[b]) for Medusa."""
-        if any(getattr(d, "needs_hidden", False) for d in self.drafters.values()):
+        """Keep the target's state at each row's last accepted token (feed index ends[b]) for
+        drafters that read it (DraftRequest.hidden)."""
+        if any(d.reads_hidden for d in self.drafters.values()):
             h = hidden if ends is None else hidden[torch.arange(len(seqs)), torch.tensor(ends, device=hidden.device)]
             for s, x in zip(seqs, h):
                 s.hidden = (len(s.token_ids), x)

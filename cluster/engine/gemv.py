@@ -5,18 +5,13 @@ batch-1 verify of gamma drafts, small decode batches).
 Why: at a few rows a step is weight bandwidth and little else, so what costs is the small
 kernels between the weight streams. The kernels take the RMSNorm before a projection
 (prologue), SiLU(gate) * up before down_proj (prologue) and the residual add after
-(epilogue), so a layer is four weight streams and few small kernels in between. On an H100
-(8B shape) a decode step went from 721 to 274 kernels and 7.81 to 6.40 ms; the projections
-themselves from 5.58 ms (cuBLAS) to 5.28 ms, against 5.01 ms of weights at copy bandwidth
-(benchmarks/gpu/h100/gpu_profile*.json, scripts/gpu_profile.py). _gemm_rows against cuBLAS
-per projection and per step: benchmarks/gpu/h100/gemm_rows/.
+(epilogue), so a layer is four weight streams and few small kernels in between (kernel
+counts and step times against cuBLAS: benchmarks/gpu/h100, gpu_profile*.json and gemm_rows/).
 
 Rounding follows the eager reference step by step (fp32 norm times weight, cast; SiLU cast,
 times up, cast) up to the residual, which is added in fp32 before the output's one rounding,
 as cuBLAS's addmm epilogue does on the wider steps: a verify pass then rounds as a decode
-step does. (Rounding the product first, as the eager path does, while the verify's addmm did
-not, changed greedy tokens between speculation and plain decoding at every gamma in the
-H100 run that tried it.)
+step does, so greedy speculation picks what plain decoding picks.
 """
 
 from __future__ import annotations
@@ -33,10 +28,8 @@ PRO_NONE, PRO_RMSNORM, PRO_SILU = 0, 1, 2
 # multi-row call (to compare the two in one run: scripts/gpu_gemm_rows.py).
 MAX_ROWS = int(os.environ.get("GEMV_MAX_ROWS", "16"))
 # Splits of K for 2..MAX_ROWS rows where K > 2N (the 8B down_proj): each split's partial sums
-# go to an fp32 workspace, a second kernel adds them in order with bias and residual. On an
-# H100, 5 rows of the 8B down_proj take 0.046 ms split 2 or 4 against 0.080 unsplit and 0.053
-# on cuBLAS, and the gamma-4 verify step 6.56 against 6.66 ms with the split off (the same
-# process, in turns: benchmarks/gpu/h100/split_k). 0: those projections stay on cuBLAS.
+# go to an fp32 workspace, a second kernel adds them in order with bias and residual (faster
+# than unsplit and than cuBLAS there: benchmarks/gpu/h100/split_k). 0: those stay on cuBLAS.
 SPLIT_K = int(os.environ.get("GEMV_SPLIT_K", "4"))
 _ONE = os.environ.get("GEMV_CONFIGS") == "one"  # the CPU interpreter test: no autotuning
 

@@ -9,9 +9,8 @@ kernel reads lengths from a tensor, while SDPA slices the cache by a host-side l
 Prefill chunks wider than a verify row replay graphs of widths in steps of 1.5x up to the
 chunk size, with hidden states only (the caller takes logits at each row's last token: all B*T
 would be gigabytes). Eagerly, a pass is ~130 launches of compiled pieces whose Python guards
-cost more than the GPU work of a short prompt: on an H100, 8B shape, a 120-token prompt
-took ~30 ms a step eagerly against ~7 ms of weight streaming, and with speculation at 64
-streams new requests arrive one at a time, each a prefill step all rows wait on.
+cost more than the GPU work of a short prompt, and every running row waits on a prefill step
+(graph against eager prefill times: benchmarks/gpu/h100, `prefill_ms`).
 """
 
 from __future__ import annotations

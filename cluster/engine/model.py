@@ -229,29 +229,13 @@ def _fuse(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.
     return out
 
 
-def load_tokenizer(path: str | Path):
-    """The tokenizer of a model directory; an embedded model (embed.json) uses its source's."""
-    import json
-
-    from transformers import AutoTokenizer
-
-    path = Path(path)
-    if (path / "embed.json").is_file():
-        return load_tokenizer((path / json.loads((path / "embed.json").read_text())["source"]).resolve())
-    return AutoTokenizer.from_pretrained(path)
-
-
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+def load_hf_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
     """Build the model from an HF directory (config.json + *.safetensors), weights in `dtype`."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
     from tqdm.auto import tqdm
 
     path = Path(path)
-    if (path / "embed.json").is_file():  # a small model built into a larger shape (benchmarks)
-        from cluster.bench.embed import load_embedded
-
-        return load_embedded(path, dtype, device)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
     cfg = AutoConfig.from_pretrained(path)

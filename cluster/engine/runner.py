@@ -46,7 +46,7 @@ class Runner:
         if self.graphs is not None and not tree and self.graphs.eligible(len(tokens), max(q_lens), last_only):
             logits, h = self.graphs.forward(slots, cache_lens, tokens, num_layers)
             if last_only:
-                last = torch.arange(len(tokens), device=self.device), _device_ints(q_lens, self.device) - 1
+                last = torch.arange(len(tokens), device=self.device), device_ints(q_lens, self.device) - 1
                 h = h[last]
                 logits = self.model.logits(h) if logits is None else logits[last]  # None: a prefill graph
             return (logits, h) if hidden else logits
@@ -97,7 +97,7 @@ class Runner:
             torch.cuda.synchronize()
 
 
-def _device_ints(xs: list[int], device) -> torch.Tensor:
+def device_ints(xs: list[int], device) -> torch.Tensor:
     """int64 tensor on `device` without waiting for the GPU: a plain torch.tensor(..., device=)
     copies from pageable memory, which synchronises the stream."""
     t = torch.tensor(xs, dtype=torch.int64)

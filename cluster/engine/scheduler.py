@@ -9,45 +9,13 @@ so a batch with long drafts holds fewer sequences than one decoding plainly.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
-
+from cluster.engine.config import EngineConfig
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.sequence import Sequence, Status
 
 
 class QueueFull(RuntimeError):
     """The admission queue is at its bound; the caller should answer RESOURCE_EXHAUSTED."""
-
-
-@dataclass
-class EngineConfig:
-    max_num_seqs: int = 32          # KV slots: sequences decoding at once
-    max_model_len: int = 1024       # prompt + output tokens per sequence
-    max_waiting: int = 256          # admission queue bound
-    max_batch_tokens: int = 1024    # verify-token budget per step
-    prefill_chunk: int = 256        # prompt tokens per sequence per step
-    block_size: int = 16
-    prefix_cache_blocks: int = 512  # 0 disables the prefix cache
-    gamma: int = 4                  # draft tokens for 'auto' requests when no controller is set
-    gamma_max: int = 8
-    device: str = "cpu"
-    dtype: str = "float32"
-    attention: str = "auto"         # auto | fa3 | sdpa
-    kv_cache_dtype: str = "auto"    # auto (the model's dtype) | fp8 (e4m3, cluster.engine.fp8)
-    cuda_graphs: bool = True        # capture decode/verify steps (FA3 on CUDA only)
-    compile: bool = False           # torch.compile the elementwise kernels (CUDA only)
-    draft_look_ahead: bool = True   # a GPU model drafter drafts the next step during the verify
-
-    def validate(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "max_batch_tokens", "prefill_chunk", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"engine.{name} must be >= 1")
-        if not 0 <= self.gamma <= self.gamma_max:
-            raise ValueError(f"engine.gamma must be in [0, gamma_max={self.gamma_max}]")
-        if self.kv_cache_dtype not in ("auto", "fp8"):
-            raise ValueError(f"engine.kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
-        if self.max_batch_tokens < self.gamma_max + 1:
-            raise ValueError("engine.max_batch_tokens must hold one row of gamma_max + 1 tokens")
 
 
 class Scheduler:

@@ -84,13 +84,11 @@ class Sequence:
     slot: int | None = None
     num_cached: int = 0              # tokens whose KV is in the slot
     finish_reason: str | None = None
-    text: str = ""                   # detokenized output so far (stop strings cut)
     sent_tokens: int = 0             # output tokens already streamed
-    sent_chars: int = 0
     generator: torch.Generator | None = None
     stats: SeqStats = field(default_factory=SeqStats)
     # (len(token_ids) when taken, the target's last hidden state [D] there): kept only while a
-    # drafter reads hidden states (Medusa heads), and only fresh while the length still matches
+    # drafter reads hidden states (Drafter.reads_hidden), and only fresh while the length still matches
     hidden: tuple[int, torch.Tensor] | None = None
 
     def __post_init__(self):

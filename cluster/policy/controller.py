@@ -31,10 +31,9 @@ flap on noise.
 The model is only as good as its features, and a step's cost is not linear in them: on an
 H100 a verify pass is flat until its tokens fill the tensor cores, a draft pass at 64 rows
 costs three times what a per-pass reading learnt at 16 rows says, and plain decoding run a
-step ahead (`plain_runs_ahead`) costs less than the lone plain steps the fit sees. With one
-controller over a rising load that run kept gamma at 8 at 64 streams and made 0.69 of plain
-decoding's throughput (benchmarks/gpu/h100/run3). So measurements correct the model where
-it is used: per batch-size bucket (powers of two) an EWMA of measured over modelled step
+step ahead (`plain_runs_ahead`) costs less than the lone plain steps the fit sees (a model
+alone kept gamma at 8 where speculation lost: benchmarks/gpu/h100/run3). So measurements
+correct the model where it is used: per batch-size bucket (powers of two) an EWMA of measured over modelled step
 time, one for plain steps run ahead (their sustained cost; lone plain steps are what the
 fit models) and one for speculative steps, scales the model's times for that bucket.
 The model still shapes the choice among gammas; the correction sets the level, and the
@@ -47,9 +46,9 @@ third is a pipelined one).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Protocol
 
+from cluster.engine.observation import StepObservation
 from cluster.policy.acceptance import Acceptance
 from cluster.policy.config import SpeculationPolicyConfig
 from cluster.policy.fit import CostFit
@@ -58,39 +57,6 @@ REFIT_EVERY = 4  # steps between cost re-fits on the hot path (the costs drift s
 DITHER_EVERY = 4  # every 4th step runs at gamma +-1 (see GoodputController._dither)
 MEASURED_FOR = 256  # steps a bucket's measured/modelled correction stays in force
 CORRECT_ALPHA = 0.1  # EWMA weight of a step in a correction (its first step sets it)
-
-
-@dataclass
-class StepObservation:
-    """What one verifier step did; reported to `Controller.observe` after the verify pass."""
-
-    batch_size: int  # sequences in the verify pass
-    gamma: int  # gamma the controller chose for this step (auto sequences)
-    verify_tokens: int  # sum over sequences of gamma_i + 1, plus prefill tokens
-    verify_s: float  # seconds of the target pass
-    draft_s: float  # seconds waiting on the drafter (0 if fully overlapped)
-    drafted: int  # draft tokens proposed in total (sum of gamma_i)
-    accepted_per_position: list[int] = field(default_factory=list)  # [j]: seqs accepting j
-    proposed_per_position: list[int] = field(default_factory=list)  # [j]: seqs proposing j
-    # A plain step launched while the one before it ran (cluster.engine.pipeline): its cost
-    # is what plain decoding costs once sustained, less than a lone plain step's.
-    pipelined: bool = False
-    # Wall seconds of the whole step as the engine loop lives it: from the end of the step
-    # before (the caller's work in between included) through this step's outputs. Host work
-    # (accepting, detokenizing, streaming) hides behind the GPU in a pipelined plain step and
-    # adds to a speculative one; what throughput is made of. 0: not measured.
-    step_s: float = 0.0
-    captured: bool = False  # the step captured a CUDA graph: its time is not a step's cost
-
-    @classmethod
-    def make_dummy(cls, batch_size: int = 4, gamma: int = 4) -> "StepObservation":
-        """A plausible step (acceptance 0.5 per position) for warm-up and tests."""
-        accepted, n = [], batch_size
-        for _ in range(gamma):
-            n //= 2
-            accepted.append(n)
-        return cls(batch_size, gamma, batch_size * (gamma + 1), 0.010, 0.002,
-                   batch_size * gamma, accepted, [batch_size] * gamma)
 
 
 class Controller(Protocol):

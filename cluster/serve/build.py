@@ -1,12 +1,23 @@
-"""Builds engines and drafters from a ClusterConfig (shared by local mode and deployments)."""
+"""Builds engines and drafters from a ClusterConfig (shared by local mode and deployments).
+
+Every drafter the registry (cluster.engine.drafters.registry) names is built here when the
+config makes it possible: n-gram and early exit always, the draft model when models.draft is
+set (in this process, or `remote_drafter` in its own replicas), Medusa when heads lie beside
+the target.
+"""
 
 from __future__ import annotations
 
 from cluster.config import ClusterConfig, resolve_model_path
-from cluster.engine.drafter import Drafter, ModelDrafter, NgramDrafter
+from cluster.engine.drafters.base import Drafter
+from cluster.engine.drafters.early_exit import EarlyExitDrafter
+from cluster.engine.drafters.medusa import HEADS_FILE, MedusaDrafter, has_heads
+from cluster.engine.drafters.model import ModelDrafter
+from cluster.engine.drafters.ngram import NgramDrafter
+from cluster.engine.drafters.registry import DRAFTERS
 from cluster.engine.engine import DTYPES, Engine
-from cluster.engine.medusa import HEADS_FILE, MedusaDrafter, has_heads
-from cluster.engine.model import compile_kernels, load_model, load_tokenizer
+from cluster.engine.loader import load_model, load_tokenizer
+from cluster.engine.model import compile_kernels
 
 
 def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
@@ -15,7 +26,7 @@ def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
     cuda = next(model.parameters()).is_cuda  # as the target's engine does (colocated)
     if cuda and ec.compile:
         compile_kernels()
-    drafter = ModelDrafter(model, num_slots=2 * ec.max_num_seqs, max_len=ec.max_model_len, gamma_max=ec.gamma_max,
+    drafter = ModelDrafter(model, num_slots=2 * ec.max_num_seqs, max_len=ec.max_model_len,
                            look_ahead="auto" if ec.draft_look_ahead else None)
     if cuda:
         drafter.runner.warm_up()  # kernel variants and CUDA graphs now, not in the middle of a step
@@ -23,8 +34,7 @@ def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
 
 
 def build_engine(cfg: ClusterConfig, remote_drafter: Drafter | None = None) -> Engine:
-    """The target engine with an n-gram drafter always, and the model drafter either
-    in-process (colocated) or as `remote_drafter` (disaggregated)."""
+    """The target engine and every drafter the config allows (see the module docstring)."""
     from cluster.policy.controller import make_controller
 
     ec = cfg.engine_config()
@@ -37,7 +47,11 @@ def build_engine(cfg: ClusterConfig, remote_drafter: Drafter | None = None) -> E
     if default == "medusa" and not has_heads(target):
         raise ValueError(f"drafter 'medusa' needs {HEADS_FILE} in {target} (spec-cluster models train-medusa)")
     engine = Engine(model, load_tokenizer(target), ec, drafters, default, identity=cfg.models.target)
-    if has_heads(target):  # Medusa runs in the verifier: it reads the engine's hidden states
-        engine.drafters["medusa"] = MedusaDrafter.load(engine, target)
+    # these two read the target's own state (hidden states, KV), so they live in its process
+    engine.drafters["early-exit"] = EarlyExitDrafter(engine.runner, cfg.models.early_exit_layers
+                                                     or max(1, model.shape.layers // 4))
+    if has_heads(target):
+        engine.drafters["medusa"] = MedusaDrafter.load(target, model)
+    assert set(engine.drafters) <= set(DRAFTERS), "every drafter is in the registry"
     engine.controller = make_controller(cfg.speculation)
     return engine

@@ -24,7 +24,7 @@ import time
 import numpy as np
 import zmq
 
-from cluster.engine.drafter import DraftOutput, DraftRequest
+from cluster.engine.drafters.base import DraftOutput, DraftRequest
 from cluster.engine.sampling import SamplingParams
 from cluster.proto import drafting_pb2 as pb
 

@@ -20,7 +20,7 @@ from concurrent.futures import Future
 import numpy as np
 from ray import serve
 
-from cluster.engine.drafter import Drafter, DraftOutput, DraftRequest
+from cluster.engine.drafters.base import Drafter, DraftOutput, DraftRequest
 from cluster.policy.autoscaling import DraftDemandMeter
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """The Verifier deployment: owns sequences, KV and the continuous-batching loop.
 
-`generate` streams `RequestOutput`s for one request; the Router consumes them. Request
-errors come back as an `ErrorOutput` item rather than an exception, so their gRPC status
-survives the hop unchanged.
+`generate` streams `RequestOutput`s for one `GenerateCall` (cluster.serve.calls); an
+ingress consumes them. Request errors come back as an `ErrorOutput` item rather than an
+exception, so their kind and message survive the hop unchanged.
 """
 
 from __future__ import annotations
@@ -11,39 +11,18 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import ray
 from ray import serve
 
-from cluster.engine.sampling import InvalidRequest, SamplingParams
+from cluster.engine.sampling import InvalidRequest
 from cluster.engine.scheduler import QueueFull
-from cluster.engine.sequence import SpecParams
 from cluster.policy.autoscaling import VerifyLoadMeter
+from cluster.serve.calls import ErrorKind, ErrorOutput, GenerateCall
 from cluster.serve.metrics import VerifierMetrics
 from cluster.serve.stats import VerifierFigures
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class GenerateCall:
-    """What the Router sends a Verifier for one request."""
-    prompt_ids: list[int]
-    params: SamplingParams
-    spec: SpecParams
-    drafter: str | None = None
-    request_id: str | None = None
-
-    @classmethod
-    def make_dummy(cls) -> "GenerateCall":
-        return cls([1, 2, 3], SamplingParams(max_tokens=4), SpecParams())
-
-
-@dataclass
-class ErrorOutput:
-    code: str          # a grpc.StatusCode name
-    message: str
 
 
 @serve.deployment(name="Verifier")
@@ -103,17 +82,17 @@ class Verifier:
         try:
             sid, q = self.loop.submit(call.prompt_ids, call.params, call.spec, call.drafter, call.request_id)
         except InvalidRequest as e:
-            yield ErrorOutput("INVALID_ARGUMENT", str(e))
+            yield ErrorOutput(ErrorKind.INVALID, str(e))
             return
         except QueueFull as e:
-            yield ErrorOutput("RESOURCE_EXHAUSTED", str(e))
+            yield ErrorOutput(ErrorKind.EXHAUSTED, str(e))
             return
         finished, last, itl = False, None, []
         try:
             while not finished:
                 out = await q.get()
                 if isinstance(out, Exception):
-                    yield ErrorOutput("INTERNAL", f"verifier step failed: {out}")
+                    yield ErrorOutput(ErrorKind.INTERNAL, f"verifier step failed: {out}")
                     return
                 now = time.perf_counter()
                 if last is not None and out.token_ids:  # a step's tokens share its interval
@@ -148,7 +127,9 @@ class Verifier:
         return {"target": self.cfg.models.target, "draft": self.cfg.models.draft or "", "vocab_size": m.vocab_size,
                 "max_model_len": self.engine.max_model_len, "attention_backend": self.engine.backend,
                 "dtype": self.cfg.models.dtype, "block_size": self.engine.cfg.block_size,
-                "placement": self.cfg.placement}
+                "placement": self.cfg.placement,
+                # an ingress refuses a drafter this deployment lacks before the call is routed
+                "drafters": sorted(self.engine.drafters)}
 
     def record_routing_stats(self) -> dict:
         return {"verify_tokens": self.load.report("routing").get("verify_tokens", 0.0),

@@ -3,7 +3,7 @@
     spec-cluster models train-medusa --target cluster/models/demo/target
 
 1. Prompts are windows of the stdlib training split (training.demo's md5 rule; test suites
-   left out as in cluster.bench.workloads), so the held-out benchmark prompts stay unseen.
+   left out as in the benchmarks' prompts), so the held-out benchmark prompts stay unseen.
 2. The target continues each prompt, greedily for a share of them and sampled for the rest,
    through the engine's own runner; the hidden state it computed at each position and the
    token it chose next are kept. Head k's label at h_t is the target's own token t+k+1:
@@ -13,7 +13,7 @@
 4. Greedy continuations of validation-split prompts (md5 % 20 == 1: kept out of the target's
    training and of the benchmarks' held-out prompts) give each head's top-i accuracy and the
    measured chance of each candidate path, from which the sparse tree the drafter uses is
-   grown (cluster.engine.medusa.sparse_tree); both go in the json beside the heads.
+   grown (cluster.engine.drafters.medusa.sparse_tree); both go in the json beside the heads.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from cluster.engine.kv_cache import KVCache
-from cluster.engine.medusa import CONFIG_FILE, MedusaHeads, sparse_tree
-from cluster.engine.model import load_model, load_tokenizer
+from cluster.engine.drafters.medusa import CONFIG_FILE, MedusaHeads, sparse_tree
+from cluster.engine.loader import load_model, load_tokenizer
 from cluster.engine.runner import Runner
 
 DEMO_TARGET = Path(__file__).resolve().parents[1] / "models" / "demo" / "target"
@@ -39,8 +39,7 @@ TOPK = 5  # ranks per head measured (and offered to the tree)
 
 def prompt_windows(split: str, n: int, length: int, tokenizer, seed: int) -> list[list[int]]:
     """`n` windows of `length` tokens from random files of a split ('train', 'val' or 'held')."""
-    from cluster.bench.workloads import SKIP_DIRS
-    from cluster.training.demo_data import stdlib_files
+    from cluster.training.demo_data import SKIP_DIRS, stdlib_files
 
     files = [t for rel, t in stdlib_files()[split] if not SKIP_DIRS & set(rel.split("/")[:-1])]
     rng = random.Random(seed)

@@ -107,3 +107,14 @@ def test_hopper_verifier_uses_rays_h100_accelerator_name():
     assert cfg.verifier.ray_actor_options["accelerator_type"] == NVIDIA_H100
     assert cfg.verifier.ray_actor_options["num_gpus"] == 1
     assert (cfg.models.dtype, cfg.models.attention) == ("bfloat16", "fa3")
+
+
+def test_hopper_drafter_drafts_on_a_hopper_gpu():
+    """A 1B draft step on CPU costs many verify steps (configs/hopper.yaml): the model
+    drafter gets a GPU (a slice or a whole one) of the verifier's kind."""
+    from ray.util.accelerators import NVIDIA_H100
+
+    cfg = load_config(REPO / "configs" / "hopper.yaml")
+    assert (cfg.placement, cfg.models.drafter) == ("disaggregated", "model")
+    assert cfg.drafter.ray_actor_options.get("num_gpus", 0) > 0
+    assert cfg.drafter.ray_actor_options["accelerator_type"] == NVIDIA_H100

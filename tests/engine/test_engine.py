@@ -5,12 +5,14 @@ import time
 import pytest
 import torch
 
-from cluster.engine.drafter import ModelDrafter, NgramDrafter
+from cluster.engine.drafters.model import ModelDrafter
+from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.model import load_model
+from cluster.engine.loader import load_model
 from cluster.engine.sampling import InvalidRequest, SamplingParams
-from cluster.engine.scheduler import EngineConfig
+from cluster.engine.config import EngineConfig
 from cluster.engine.sequence import SpecParams
+from tests.factories import step_observation
 
 PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "z", "the quick brown fox " * 6]
 
@@ -71,15 +73,13 @@ def test_step_period_covers_drafting_verifying_and_the_callers_gap(engine):
     """StepObservation.step_s (what the goodput controller's corrections compare) runs from
     the previous verify step's end: the caller's work between steps counts; a prefill step
     between, or a caller idle longer than the step itself, restarts it."""
-    from cluster.policy.controller import StepObservation
-
     obs = []
     engine.on_verify = obs.append
     try:
         engine.generate(["abcabcabcabc"], SamplingParams(max_tokens=12, ignore_eos=True), SpecParams("fixed", 2), "model")
         assert len(obs) >= 3 and all(o.step_s >= o.verify_s + o.draft_s > 0 for o in obs)
         last, engine._last_end = engine._last_end, 10.0
-        o = StepObservation.make_dummy()
+        o = step_observation()
         engine._observe(o, 10.001, 10.011)  # 1 ms of the caller's work, then a 10 ms step
         assert o.step_s == pytest.approx(0.011) and engine._last_end == 10.0  # step() moves it
         engine._observe(o, 10.05, 10.06)  # idle 50 ms before a 10 ms step: not a step's cost
@@ -270,11 +270,11 @@ def test_model_drafter_drafting_ahead_is_lossless(random_models, tokenizer, base
 
 
 def test_early_exit_self_drafter_is_lossless(random_models, tokenizer, baseline):
-    from cluster.engine.selfdraft import EarlyExitDrafter
+    from cluster.engine.drafters.early_exit import EarlyExitDrafter
 
     target = load_model(random_models["llama"], torch.float32, "cpu")
     e = Engine(target, tokenizer, EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, max_batch_tokens=64))
-    e.drafters["early-exit"] = EarlyExitDrafter(e, layers=1)
+    e.drafters["early-exit"] = EarlyExitDrafter(e.runner, layers=1)
     for sp in (SamplingParams(max_tokens=48, ignore_eos=True),):
         out = e.generate(PROMPTS, sp, SpecParams("fixed", 4), "early-exit")
         assert [r["token_ids"] for r in out] == [r["token_ids"] for r in baseline]
@@ -288,7 +288,7 @@ def test_model_drafter_batched_catch_up_matches_one_row_at_a_time(random_models,
     """Rows with many new tokens (new sequences, a return from plain decoding) catch up in
     padded passes of similar lengths: the same drafts as each row alone, incl. a group split
     by slot capacity (a long cached row beside a long new one)."""
-    from cluster.engine.drafter import DraftRequest
+    from cluster.engine.drafters.base import DraftRequest
 
     draft = load_model(random_models["llama_draft"], torch.float32, "cpu")
     prompts = [tokenizer.encode(p) for p in PROMPTS] + [list(range(3, 200)), list(range(40, 70))]
@@ -307,7 +307,7 @@ def test_model_drafter_batched_catch_up_matches_one_row_at_a_time(random_models,
 def test_runner_warm_up_touches_only_the_scratch_slot(random_models, tokenizer):
     """The start-up pass over every kernel variant (Runner.warm_up) writes KV of the scratch
     slot only: a drafter warmed up with sequences cached drafts exactly as one never warmed."""
-    from cluster.engine.drafter import DraftRequest
+    from cluster.engine.drafters.base import DraftRequest
 
     draft = load_model(random_models["llama_draft"], torch.float32, "cpu")
     warmed, cold = ModelDrafter(draft, 4, 128), ModelDrafter(draft, 4, 128)
@@ -328,7 +328,7 @@ def test_model_drafter_greedy_chain_is_the_draft_models_own_greedy_text(random_m
     extends the rows (the drafter's cache then holds their earlier drafts)."""
     from transformers import AutoModelForCausalLM
 
-    from cluster.engine.drafter import DraftRequest
+    from cluster.engine.drafters.base import DraftRequest
 
     path = random_models["llama_draft"]
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -11,7 +11,7 @@ from cluster.bench.workloads import code_prompts
 from cluster.config import parse_config
 from cluster.engine import fp8
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.scheduler import EngineConfig
+from cluster.engine.config import EngineConfig
 from cluster.engine.sequence import SpecParams
 from cluster.serve.build import build_engine
 
@@ -88,6 +88,6 @@ def test_quantize_saturates_instead_of_nan():
 
 def test_bad_kv_cache_dtype_refused():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="int4").validate()
+        EngineConfig(kv_cache_dtype="int4")
     with pytest.raises(Exception, match="kv_cache_dtype"):
         parse_config({"engine": {"kv_cache_dtype": "fp4"}})

@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 
 from cluster.engine.engine import Engine
 from cluster.engine.kv_cache import KVCache
-from cluster.engine.medusa import (
+from cluster.engine.drafters.medusa import (
     CHAIN,
     MedusaDrafter,
     MedusaHeads,
@@ -16,12 +16,13 @@ from cluster.engine.medusa import (
     sparse_tree,
     tree_parents,
 )
-from cluster.engine.model import load_model
+from cluster.engine.loader import load_model
 from cluster.engine.runner import Runner
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.scheduler import EngineConfig
+from cluster.engine.config import EngineConfig
 from cluster.engine.sequence import SpecParams
-from cluster.engine.tree import accept_tree, keep_path, tree_layout, walk
+from cluster.engine.acceptance import accept_tree, walk
+from cluster.engine.tree import keep_path, tree_layout
 
 PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "z", "the quick brown fox " * 6]
 SHAPES = {
@@ -117,7 +118,7 @@ def engine(target, tokenizer):
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.3)
     for name, shape in SHAPES.items():
-        e.drafters[name] = MedusaDrafter(e, heads, shape)
+        e.drafters[name] = MedusaDrafter.for_target(heads, e.model, shape)
     return e
 
 
@@ -199,7 +200,7 @@ def test_demo_greedy_identical_and_accepting(demo, shape, gamma):
     prompts = code_prompts(3, chars=300, seed=3)
     medusa = demo.drafters["medusa"]
     if shape != "trained":
-        demo.drafters[shape] = MedusaDrafter(demo, medusa.heads, SHAPES[shape])
+        demo.drafters[shape] = MedusaDrafter.for_target(medusa.heads, demo.model, SHAPES[shape])
     base = demo.generate(prompts, SamplingParams(max_tokens=48), SpecParams("off"))
     out = demo.generate(prompts, SamplingParams(max_tokens=48), SpecParams("fixed", gamma),
                         "medusa" if shape == "trained" else shape)

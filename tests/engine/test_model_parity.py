@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cluster.engine.kv_cache import KVCache
-from cluster.engine.model import load_model
+from cluster.engine.loader import load_model
 from cluster.engine.runner import Runner
 
 

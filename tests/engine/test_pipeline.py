@@ -9,12 +9,13 @@ lengths grown by one and the given device tokens, as a graph replay on its stati
 import pytest
 import torch
 
-from cluster.engine.drafter import ModelDrafter, NgramDrafter
+from cluster.engine.drafters.model import ModelDrafter
+from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.model import load_model
+from cluster.engine.loader import load_model
 from cluster.engine.pipeline import DecodePipeline
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.scheduler import EngineConfig
+from cluster.engine.config import EngineConfig
 from cluster.engine.sequence import SpecParams
 
 

@@ -4,6 +4,7 @@ import time
 import pytest
 
 from cluster.policy import SpeculationPolicyConfig, StepObservation, make_controller
+from tests.factories import step_observation
 
 
 class SimStep:
@@ -155,7 +156,7 @@ def test_mixed_gamma_step_uses_reached_counts():
 
 def test_dummy_and_snapshot():
     ctrl = make_controller(SpeculationPolicyConfig(mode="goodput"))
-    ctrl.observe(StepObservation.make_dummy())
+    ctrl.observe(step_observation())
     snap = ctrl.snapshot()
     assert {"gamma", "acceptance", "verify_cost", "draft_cost"} <= snap.keys()
     assert snap["steps"] == 1
@@ -165,7 +166,7 @@ def test_dummy_and_snapshot():
 def test_controller_is_cheap(mode):
     cfg = SpeculationPolicyConfig(mode=mode, table=TABLE)
     ctrl = make_controller(cfg)
-    obs = StepObservation.make_dummy(batch_size=32, gamma=4)
+    obs = step_observation(batch_size=32, gamma=4)
     for _ in range(20):
         ctrl.observe(obs)
     n = 2000

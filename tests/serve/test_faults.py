@@ -26,7 +26,7 @@ from cluster.engine.sampling import SamplingParams
 from cluster.engine.sequence import SpecParams
 from cluster.kvdir.embedded import free_port, start_local_server
 from cluster.serve.build import build_engine
-from cluster.serve.chaos import drafter_sequences, kill_replica, replica_ids, wait_healthy, wait_idle, wait_until
+from tests.serve.chaos import drafter_sequences, kill_replica, replica_ids, wait_healthy, wait_idle, wait_until
 
 pytestmark = pytest.mark.slow
 

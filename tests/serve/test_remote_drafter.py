@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cluster.engine.drafter import DraftOutput, DraftRequest
+from cluster.engine.drafters.base import DraftOutput, DraftRequest
 from cluster.engine.sampling import SamplingParams
 from cluster.serve.drafter import RemoteDrafter
+from tests.factories import draft_output, draft_request
 
 
 class FakeResponse:
@@ -23,7 +24,7 @@ class FakeResponse:
     def result(self, timeout_s=None):
         if not self.ok:
             raise TimeoutError("no replica answered")
-        return DraftOutput.make_dummy()
+        return draft_output()
 
     def cancel(self):
         self.cancelled = True
@@ -45,27 +46,27 @@ def test_backoff_then_probe_then_resume(monkeypatch):
     d = RemoteDrafter(handle, timeout_s=0.01, caller="v", transport="handle")
     d.release(["a", "b"])
     with pytest.raises(TimeoutError):
-        d.propose([DraftRequest.make_dummy()])
+        d.propose([draft_request()])
     release, response = handle.calls[-1]
     assert release == ["a", "b"] and response.cancelled
     assert d.pending_release == ["a", "b"]  # sent again with the next call
 
     # during the back-off: no call at all, empty drafts for every request
-    out = d.propose([DraftRequest.make_dummy(), DraftRequest.make_dummy()])
+    out = d.propose([draft_request(), draft_request()])
     assert out.tokens == [[], []] and len(handle.calls) == 1
 
     # a second failure doubles the back-off (capped)
     monkeypatch.setattr(time, "monotonic", lambda t=time.monotonic(): t + 60)
     with pytest.raises(TimeoutError):
-        d.propose([DraftRequest.make_dummy()])
+        d.propose([draft_request()])
     assert d.backoff_s == 2 * RemoteDrafter.MIN_BACKOFF_S
 
     # the drafter is back: the probe succeeds and speculation resumes
     monkeypatch.setattr(time, "monotonic", lambda t=time.monotonic(): t + 120)
     handle.up = True
-    assert d.propose([DraftRequest.make_dummy()]).tokens == [[1, 2]]
+    assert d.propose([draft_request()]).tokens == [[1, 2]]
     assert handle.calls[-1][0] == ["a", "b"] and d.pending_release == []
-    assert d.backoff_s == 0 and d.propose([DraftRequest.make_dummy()]).tokens == [[1, 2]]
+    assert d.backoff_s == 0 and d.propose([draft_request()]).tokens == [[1, 2]]
 
 
 class Replica:
@@ -126,11 +127,11 @@ def test_direct_transport_round_trip():
 
 
 def test_direct_transport_finds_the_replacement_replica(monkeypatch):
-    first = Replica(DraftOutput.make_dummy())
+    first = Replica(draft_output())
     handle = EndpointHandle(first)
     d = RemoteDrafter(handle, timeout_s=2.0, caller="v")
-    assert d.propose([DraftRequest.make_dummy()]).tokens == [[1, 2]] and handle.lookups == 1
-    assert d.propose([DraftRequest.make_dummy()]).tokens == [[1, 2]] and handle.lookups == 1  # kept
+    assert d.propose([draft_request()]).tokens == [[1, 2]] and handle.lookups == 1
+    assert d.propose([draft_request()]).tokens == [[1, 2]] and handle.lookups == 1  # kept
 
     with pytest.raises(Exception):  # a drafter error is a failed call, not a wrong draft
         d.propose([DraftRequest("boom", [1, 2], 2)])
@@ -141,7 +142,7 @@ def test_direct_transport_finds_the_replacement_replica(monkeypatch):
     handle.replica = second
     try:
         monkeypatch.setattr(time, "monotonic", lambda t=time.monotonic(): t + 60)
-        assert d.propose([DraftRequest.make_dummy()]).tokens == [[3]]  # the probe looked it up again
+        assert d.propose([draft_request()]).tokens == [[3]]  # the probe looked it up again
         assert handle.lookups == 2 and d.backoff_s == 0 and len(second.calls) == 1
     finally:
         second.server.stop()

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from cluster.bench.embed import embed_llama
+from cluster.engine.embedded import embed_llama
 from cluster.engine.engine import Engine
 from cluster.engine.kv_cache import KVCache
-from cluster.engine.model import load_model
+from cluster.engine.loader import load_model
 from cluster.engine.runner import Runner
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.scheduler import EngineConfig
+from cluster.engine.config import EngineConfig
 from cluster.engine.sequence import SpecParams
 
 # a small stand-in for the 8B shape: wider, deeper, more heads, wider heads, more vocabulary
@@ -45,10 +45,10 @@ def test_embedded_pair_decodes_like_the_demo_pair(demo_pair):
                   lambda p: embed_llama(load_model(p, torch.float32, "cpu"),
                                         {**BIG, "hidden_size": 512 if p == demo_pair[0] else 256,
                                          "num_hidden_layers": 9 if p == demo_pair[0] else 3}, "cpu", torch.float32)):
-        from cluster.engine.drafter import ModelDrafter
+        from cluster.engine.drafters.model import ModelDrafter
 
         target, draft = build(demo_pair[0]), build(demo_pair[1])
-        eng = Engine(target, tok, cfg, {"model": ModelDrafter(draft, 4, 256, cfg.gamma_max)}, "model")
+        eng = Engine(target, tok, cfg, {"model": ModelDrafter(draft, 4, 256)}, "model")
         out = eng.generate(prompts, params, SpecParams("fixed", 4))
         runs.append(([r["token_ids"] for r in out], eng.totals["accepted"] / eng.totals["drafted"]))
     (small_ids, small_acc), (big_ids, big_acc) = runs
@@ -70,7 +70,7 @@ def test_embed_json_directory_loads_through_load_model(demo_pair, tmp_path):
 def test_embedded_model_directory_uses_its_sources_tokenizer():
     """demo-8b-* hold only embed.json: the tokenizer is the demo pair's, read through it."""
     from cluster.config import resolve_model_path
-    from cluster.engine.model import load_tokenizer
+    from cluster.engine.loader import load_tokenizer
 
     text = "def fibonacci(n):\n    return n"
     big = load_tokenizer(resolve_model_path("demo-8b-target"))

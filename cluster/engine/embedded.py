@@ -31,9 +31,12 @@ import math
 import torch
 from transformers import LlamaConfig
 
-from cluster.engine.model import CausalLM, ModelShape, Rotary
+from cluster.engine.model import CausalLM, ModelShape, Rotary, load_hf_model
 
 A, FINAL_SCALE, PAD_LOGIT = 2.0**-10, 2.0**10, 2.0**14
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, intermediate_size=14336, max_position_embeddings=8192,
+                rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
 
 
 def _big(cfg: LlamaConfig, device, dtype, seed: int) -> CausalLM:
@@ -139,9 +142,7 @@ SHAPES = {"llama-3.1-8b": lambda: _llama_8b(), "llama-3.1-8b-draft": lambda: {**
 
 
 def _llama_8b() -> dict:
-    from cluster.bench.synthetic import LLAMA_8B as shape
-
-    return dict(shape)
+    return dict(LLAMA_8B)
 
 
 def load_embedded(path, dtype, device) -> CausalLM:
@@ -150,24 +151,19 @@ def load_embedded(path, dtype, device) -> CausalLM:
     import json
     from pathlib import Path
 
-    from cluster.engine.model import load_model
-
     path = Path(path)
     spec = json.loads((path / "embed.json").read_text())
     shape = spec["shape"]
     big = SHAPES[shape]() if isinstance(shape, str) else shape
-    small = load_model((path / spec["source"]).resolve(), torch.float32, "cpu")
+    small = load_hf_model((path / spec["source"]).resolve(), torch.float32, "cpu")
     return embed_llama(small, big, device, dtype, spec.get("seed", 0))
 
 
 def demo_8b(target_dir, draft_dir, device="cuda", dtype=torch.bfloat16) -> tuple[CausalLM, CausalLM]:
     """The demo target in Llama-3.1-8B dimensions, and the demo drafter widened to the same
     vocabulary (and to a head dim FA3 runs: 64)."""
-    from cluster.bench.synthetic import LLAMA_8B
-    from cluster.engine.model import load_model
-
-    small_t = load_model(target_dir, torch.float32, "cpu")
-    small_d = load_model(draft_dir, torch.float32, "cpu")
+    small_t = load_hf_model(target_dir, torch.float32, "cpu")
+    small_d = load_hf_model(draft_dir, torch.float32, "cpu")
     target = embed_llama(small_t, LLAMA_8B, device, dtype)
     draft = embed_llama(small_d, {**LLAMA_8B, **LLAMA_8B_DRAFT}, device, dtype, seed=1)
     return target, draft

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.engine.drafter import Drafter, DraftOutput, DraftRequest, one_hot
+from cluster.engine.drafters.base import Drafter, DraftOutput, DraftRequest, one_hot
 
 HEADS_FILE, CONFIG_FILE = "medusa_heads.safetensors", "medusa_config.json"
 CHAIN = [[0] * d for d in range(1, 9)]  # the top-1 path: a chain of up to 8
@@ -126,40 +126,47 @@ def tree_parents(paths: list[list[int]]) -> list[int]:
 
 
 class MedusaDrafter(Drafter):
-    """Runs inside the verifier: reads each sequence's last hidden state (Sequence.hidden,
-    kept by the engine because `needs_hidden`) and proposes a tree of the heads' top-k."""
+    """Proposes a tree of the heads' top-k from the target's last hidden state, which each
+    request carries (`reads_hidden`). It shares the target's lm_head, so it runs in the
+    verifier's process."""
 
     name = "medusa"
-    needs_hidden = True
+    reads_hidden = True
 
-    def __init__(self, engine, heads: MedusaHeads, tree: list[list[int]]):
-        self.engine, self.heads = engine, heads
+    def __init__(self, heads: MedusaHeads, lm_head: torch.Tensor, tree: list[list[int]], trees_ok: bool):
+        """lm_head: the target's [V, D] projection; trees_ok: the attention backend verifies
+        trees (else the top-1 chain is proposed)."""
+        self.heads, self.lm_head = heads, lm_head
         if max(map(len, tree)) > heads.num_heads:
             raise ValueError(f"tree depth {max(map(len, tree))} > {heads.num_heads} heads")
         self.tree, self.parents = tree, tree_parents(tree)
         self.chain = CHAIN[: heads.num_heads]
         self.topk = max(max(p) for p in tree) + 1
-        self.tree_ok = getattr(engine.model.backend, "supports_tree", False)
+        self.tree_ok = trees_ok
 
     @classmethod
-    def load(cls, engine, target_dir: str | Path, tree: list[list[int]] | None = None) -> MedusaDrafter:
-        p = next(engine.model.parameters())
+    def for_target(cls, heads: MedusaHeads, target: nn.Module, tree: list[list[int]]) -> MedusaDrafter:
+        """Heads over the target model `target` (a CausalLM): its lm_head, its backend's trees."""
+        return cls(heads, target.lm_head.weight, tree, getattr(target.backend, "supports_tree", False))
+
+    @classmethod
+    def load(cls, target_dir: str | Path, target: nn.Module, tree: list[list[int]] | None = None) -> MedusaDrafter:
+        """Heads from beside the target model `target`, on its device and dtype."""
+        p = next(target.parameters())
         heads, cfg = MedusaHeads.load(target_dir, p.dtype, p.device)
-        return cls(engine, heads, tree or cfg.get("tree") or CHAIN[: heads.num_heads])
+        return cls.for_target(heads, target, tree or cfg.get("tree") or CHAIN[: heads.num_heads])
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> DraftOutput:
         t0 = time.perf_counter()
-        seqs = [self.engine.seqs.get(r.seq_id) for r in requests]
-        # a sequence without a fresh hidden state (not seen by a target pass since its last
-        # token) gets no drafts this step; that step's pass gives it one
-        live = [b for b, (r, s) in enumerate(zip(requests, seqs))
-                if r.k > 0 and s is not None and s.hidden is not None and s.hidden[0] == len(s.token_ids)]
+        # a row without a hidden state (no target pass since its last token) gets no drafts
+        # this step; that step's pass gives it one
+        live = [b for b, r in enumerate(requests) if r.k > 0 and r.hidden is not None]
         tokens: list[list[int]] = [[] for _ in requests]
         parents: list[list[int] | None] = [None for _ in requests]
         if live:
-            h = torch.stack([seqs[b].hidden[1] for b in live])
-            top = self.heads(h, self.engine.model.lm_head.weight).topk(self.topk, dim=-1).indices.tolist()
+            h = torch.stack([requests[b].hidden for b in live])
+            top = self.heads(h, self.lm_head).topk(self.topk, dim=-1).indices.tolist()
             for j, b in enumerate(live):
                 paths = self.tree[: requests[b].k] if self.tree_ok else self.chain[: requests[b].k]
                 tokens[b] = [top[j][len(p) - 1][p[-1]] for p in paths]

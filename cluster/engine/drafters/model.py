@@ -1,136 +1,40 @@
-"""Drafters behind one interface: `propose` for a whole batch, `release` when done.
+"""A small causal LM as the drafter, with its own slot KV cache (state per seq_id, LRU-evicted).
 
-A request carries the sequence's full token list, so any drafter instance (in this process
-or a remote replica) can serve any call: state is keyed by seq_id and resynchronised from
-the tokens (rejected drafts are rolled back by the common prefix). The drafter is
-disposable: losing its state costs a re-prefill, never correctness.
-
-Proposals travel as sparse distributions (top-K ids and probabilities per position): a
-model drafter samples from its own top-K-truncated distribution, which is itself a legal
-proposal q for rejection sampling, so the verifier sees exactly the q each draft came from.
+It can run in the verifier's process (colocated) or in a Drafter replica of its own: every
+request carries the sequence's tokens, and whatever KV it holds for them is resynchronised
+by the common prefix. A greedy row proposes its argmax chain (one-hot q); a sampled row
+samples from its own top-K-truncated distribution, which is itself a legal proposal q.
 """
 
 from __future__ import annotations
 
-import abc
 import logging
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from cluster.engine.drafters.base import TOPK, Drafter, DraftOutput, DraftRequest, draft_generator, empty_rows
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.model import CausalLM
-from cluster.engine.runner import Runner, _device_ints
-from cluster.engine.sampling import SamplingParams, target_probs
+from cluster.engine.runner import Runner, device_ints
+from cluster.engine.sampling import target_probs
 
-TOPK = 32  # support kept for sampled proposals; greedy proposals are one-hot
 log = logging.getLogger(__name__)
 CATCHUP = 16  # rows with at most this many new tokens catch up in one pass
 CATCHUP_TOKENS = 8192  # longer rows (new sequences, a return from plain decoding) go in padded
                        # passes of similar lengths up to this many tokens: one by one, 64 rows
                        # back from plain decoding cost a drafter pass each
 # Catch-up passes up to this many tokens a row replay CUDA graphs (hidden states only; logits
-# at each row's last token). Eagerly, a new request's prompt cost a draft step ~5 ms of Python
-# at 64 streams on an H100, where drafting itself is launch-bound and ~1 ms a token.
+# at each row's last token): eagerly, a new prompt's Python costs more than a draft step.
 CHUNK = 512
 
 
-@dataclass
-class DraftRequest:
-    seq_id: str
-    token_ids: list[int]             # prompt + accepted output so far
-    k: int                           # tokens to propose
-    params: SamplingParams = field(default_factory=SamplingParams)
-    confirmed: int | None = None     # of token_ids, how many are accepted (None: all); the rest
-                                     # are drafts a look-ahead request assumes will be accepted
-
-    @classmethod
-    def make_dummy(cls, k: int = 4) -> "DraftRequest":
-        return cls("dummy", [1, 2, 3, 1, 2], k)
-
-
-@dataclass
-class DraftOutput:
-    tokens: list[list[int]]          # per request, at most k tokens (may be fewer, or none)
-    q_ids: list[np.ndarray]          # per request [n, K] int32 support of each proposal
-    q_probs: list[np.ndarray]        # per request [n, K] float32 probabilities on that support
-    seconds: float = 0.0
-    # per request, a tree instead of a chain: each draft's parent draft, -1 for the last
-    # accepted token (parents first; see cluster.engine.tree). None: every row is a chain.
-    parents: list[list[int] | None] | None = None
-
-    @classmethod
-    def make_dummy(cls) -> "DraftOutput":
-        return cls([[1, 2]], [np.array([[1], [2]], np.int32)], [np.ones((2, 1), np.float32)])
-
-
-def one_hot(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    return np.asarray(tokens, np.int32).reshape(-1, 1), np.ones((len(tokens), 1), np.float32)
-
-
-class Drafter(abc.ABC):
-    name = "drafter"
-    # Whether the engine asks for the next step's drafts while this step verifies (assuming
-    # every draft is accepted): "gated", a drafter in another process, whose queue makes a
-    # wrong guess cost a step, so only while guesses pay; "free", one that drafts on its own
-    # CUDA stream while the host would wait for the verify pass anyway; None, never.
-    look_ahead: str | None = None
-    needs_hidden = False  # True: the engine keeps each sequence's last hidden state (Sequence.hidden)
-
-    @abc.abstractmethod
-    def propose(self, requests: list[DraftRequest]) -> DraftOutput: ...
-
-    def propose_async(self, requests: list[DraftRequest]) -> Future:
-        """Remote drafters return a pending future; local ones compute now."""
-        fut: Future = Future()
-        fut.set_result(self.propose(requests))
-        return fut
-
-    def release(self, seq_ids: list[str]) -> None:
-        """Forget per-sequence state (the sequence finished)."""
-
-    def rollback(self, seq_id: str, num_tokens: int) -> None:
-        """Drop state past `num_tokens` tokens; `propose` also does this from the tokens."""
-
-
-class NgramDrafter(Drafter):
-    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens
-    (n from max_n down to min_n) and propose what followed it. Model-free, stateless."""
-
-    name = "ngram"
-
-    def __init__(self, max_n: int = 3, min_n: int = 1):
-        self.max_n, self.min_n = max_n, min_n
-
-    def propose(self, requests: list[DraftRequest]) -> DraftOutput:
-        t0 = time.perf_counter()
-        toks = [self._lookup(np.asarray(r.token_ids, np.int64), r.k) if r.k > 0 else [] for r in requests]
-        hot = [one_hot(t) for t in toks]
-        return DraftOutput(toks, [h[0] for h in hot], [h[1] for h in hot], time.perf_counter() - t0)
-
-    def _lookup(self, ids: np.ndarray, k: int) -> list[int]:
-        for n in range(self.max_n, self.min_n - 1, -1):
-            if len(ids) <= n:
-                continue
-            windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)
-            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
-            if len(hits):
-                start = hits[-1] + n
-                return ids[start:start + k].tolist()
-        return []
-
-
 class ModelDrafter(Drafter):
-    """A small causal LM with its own slot KV cache; state per seq_id, LRU-evicted."""
-
     name = "model"
 
-    def __init__(self, model: CausalLM, num_slots: int = 64, max_len: int = 2048, gamma_max: int = 8,
-                 look_ahead: str | None = "auto"):
+    def __init__(self, model: CausalLM, num_slots: int = 64, max_len: int = 2048, *, look_ahead: str | None = "auto"):
         s = model.shape
         p = next(model.parameters())
         # Its own stream on a GPU: a draft launched while the target verifies runs beside it
@@ -155,10 +59,8 @@ class ModelDrafter(Drafter):
         if all(r.confirmed is None for r in requests):
             # Not a look-ahead (which is meant to run beside the verify pass): start after what
             # the caller's stream still has queued, e.g. a plain step launched ahead and then
-            # dropped when the controller turned speculation back on. Drafting beside a full
-            # 64-row target pass is the one pattern shared by three H100 runs in which a draft
-            # call waited 66-69 s on its own stream (benchmarks/gpu/h100/stall; the fix is
-            # not yet measured there).
+            # dropped when the controller turned speculation back on; drafting beside a full
+            # target pass stalled for a minute on an H100 (benchmarks/gpu/h100/stall).
             self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):  # every step syncs this stream: nothing left in flight
             fut.set_result(self.propose(requests))
@@ -170,11 +72,6 @@ class ModelDrafter(Drafter):
             self.generators.pop(sid, None)
             if st is not None:
                 self.kv.free(st[0])
-
-    def rollback(self, seq_id: str, num_tokens: int) -> None:
-        if seq_id in self.state:
-            slot, toks = self.state[seq_id]
-            self.state[seq_id] = (slot, toks[:num_tokens])
 
     def tokens_held(self, seq_id: str) -> list[int] | None:
         """The tokens whose KV this drafter holds for a sequence (None: no state)."""
@@ -204,10 +101,7 @@ class ModelDrafter(Drafter):
             log.warning("draft call took %.1f s: %d rows, k %s, longest row %d tokens", took, len(live),
                         sorted({r.k for r in live}), max((len(r.token_ids) for r in live), default=0))
         toks, ids, probs = zip(*(out[r.seq_id] for r in requests))
-        # rows with no drafts (k = 0, too long) get [0, 1] arrays, as every drafter's empty rows
-        return DraftOutput(list(toks), [np.asarray(i, np.int32).reshape(len(t), -1 if t else 1) for i, t in zip(ids, toks)],
-                           [np.asarray(p, np.float32).reshape(len(t), -1 if t else 1) for p, t in zip(probs, toks)],
-                           time.perf_counter() - t0)
+        return DraftOutput(list(toks), *empty_rows(list(toks), ids, probs), time.perf_counter() - t0)
 
     def _propose(self, reqs: list[DraftRequest], out: dict) -> None:
         keep = {r.seq_id for r in reqs}
@@ -229,7 +123,7 @@ class ModelDrafter(Drafter):
                 out[r.seq_id][2].extend([1.0] for _ in d)
         else:
             # a row's generator is made on its first sampled draft (seeded: the same stream)
-            gens = [self.generators.get(r.seq_id) or self.generators.setdefault(r.seq_id, _generator(r.params.seed))
+            gens = [self.generators.get(r.seq_id) or self.generators.setdefault(r.seq_id, draft_generator(r.params.seed))
                     for r in reqs]
             drafts = self._sampled_chain(reqs, slots, lens, logits, gens, out)
         for b, r in enumerate(reqs):
@@ -254,7 +148,7 @@ class ModelDrafter(Drafter):
             rows = [b for b in rows if ks[b] > step]
             if not rows:
                 break
-            fed = prev if len(rows) == len(idx) else prev[_device_ints([idx.index(b) for b in rows], prev.device)]
+            fed = prev if len(rows) == len(idx) else prev[device_ints([idx.index(b) for b in rows], prev.device)]
             sub = self.runner.decode([slots[b] for b in rows], [lens[b] for b in rows], fed)
             picks.append(sub.argmax(-1))
             for b in rows:
@@ -303,7 +197,6 @@ class ModelDrafter(Drafter):
                 lens[b] += 1
         return drafts
 
-
     def _catch_up(self, slots, lens, feed) -> torch.Tensor:
         groups = [[b for b, f in enumerate(feed) if len(f) <= CATCHUP]]
         cap = self.kv.capacity
@@ -332,9 +225,3 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def _generator(seed: int | None) -> torch.Generator:
-    g = torch.Generator(device="cpu")
-    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
-    return g

@@ -1,7 +1,8 @@
 """Early-exit self-drafting: the target's first layers and its own head propose drafts.
 
 No second model and no second KV cache: the drafter runs the target's first `layers` layers
-on the target's own slots. For those layers a draft token at a position gets exactly the
+on the target's own slots (each request carries its slot and cached length, `reads_target_kv`;
+the drafter is given the target's runner, never the engine, so it runs in the verifier's process). For those layers a draft token at a position gets exactly the
 keys and values the verify pass will write for the same token there, so the drafter's
 writes are either rewritten identically or, past a rejection, rolled back with the rest.
 Acceptance depends on how much the skipped layers change the prediction: it is measured,
@@ -12,30 +13,44 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
-from cluster.engine.drafter import TOPK, Drafter, DraftOutput, DraftRequest, one_hot
+from cluster.engine.drafters.base import (TOPK, Drafter, DraftOutput, DraftRequest, draft_generator, empty_rows,
+                                          one_hot)
 from cluster.engine.sampling import target_probs
 
 
 class EarlyExitDrafter(Drafter):
     name = "early-exit"
+    reads_target_kv = True
 
-    def __init__(self, engine, layers: int):
-        self.engine, self.layers = engine, layers
+    def __init__(self, target_runner, layers: int):
+        self.runner, self.layers = target_runner, layers
+        self.generators: dict[str, torch.Generator] = {}
+
+    def release(self, seq_ids: list[str]) -> None:
+        for sid in seq_ids:
+            self.generators.pop(sid, None)
 
     def propose(self, requests: list[DraftRequest]) -> DraftOutput:
         t0 = time.perf_counter()
-        seqs = [self.engine.seqs[r.seq_id] for r in requests]
-        slots = [s.slot for s in seqs]
-        lens = [s.num_cached for s in seqs]  # == len(tokens) - 1: the last token is not cached yet
-        feed = [[s.token_ids[-1]] for s in seqs]
+        live = [r for r in requests if r.k > 0 and r.target_kv is not None]
+        if len(live) < len(requests):  # a sequence not in the target's cache drafts nothing
+            out = self.propose(live) if live else DraftOutput([], [], [])
+            by_id = {r.seq_id: j for j, r in enumerate(live)}
+            rows = [by_id.get(r.seq_id) for r in requests]
+            toks = [out.tokens[j] if j is not None else [] for j in rows]
+            ids = [out.q_ids[j] if j is not None else one_hot([])[0] for j in rows]
+            ps = [out.q_probs[j] if j is not None else one_hot([])[1] for j in rows]
+            return DraftOutput(toks, ids, ps, time.perf_counter() - t0)
+        slots = [r.target_kv[0] for r in requests]
+        lens = [r.target_kv[1] for r in requests]  # == len(tokens) - 1: the last token is not cached yet
+        feed = [[r.token_ids[-1]] for r in requests]
         drafts = [[] for _ in requests]
         q_ids, q_probs = [[] for _ in requests], [[] for _ in requests]
         k = max(r.k for r in requests)
         for step in range(k):
-            logits = self.engine.runner.forward(slots, lens, feed, last_only=True, num_layers=self.layers)
+            logits = self.runner.forward(slots, lens, feed, last_only=True, num_layers=self.layers)
             if all(r.params.greedy for r in requests):  # argmax only: no softmax over the vocabulary
                 for b, tok in enumerate(logits.argmax(-1).tolist()):
                     if step < requests[b].k:
@@ -57,13 +72,12 @@ class EarlyExitDrafter(Drafter):
                     q_ids[b].append([tok])
                     q_probs[b].append([1.0])
                 else:
-                    j = int(torch.multinomial(top_p[b].cpu(), 1, generator=seqs[b].generator))
+                    gen = self.generators.get(r.seq_id) or self.generators.setdefault(r.seq_id, draft_generator(r.params.seed))
+                    j = int(torch.multinomial(top_p[b].cpu(), 1, generator=gen))
                     tok = int(top_i[b, j])
                     q_ids[b].append(top_i[b].tolist())
                     q_probs[b].append(top_p[b].tolist())
                 drafts[b].append(tok)
             lens = [n + 1 for n in lens]
             feed = [[d[-1]] if d else [0] for d in drafts]
-        ids = [np.asarray(x, np.int32).reshape(len(d), -1) if d else one_hot([])[0] for x, d in zip(q_ids, drafts)]
-        ps = [np.asarray(x, np.float32).reshape(len(d), -1) if d else one_hot([])[1] for x, d in zip(q_probs, drafts)]
-        return DraftOutput(drafts, ids, ps, time.perf_counter() - t0)
+        return DraftOutput(drafts, *empty_rows(drafts, q_ids, q_probs), time.perf_counter() - t0)

@@ -1,0 +1,125 @@
+"""Acceptance: which drafts stand and which token follows, for chains and trees, greedy and
+sampled, behind one call.
+
+A chain row is [last token, d_1 .. d_g]: Leviathan et al. rejection sampling over the
+target's probabilities at those g+1 positions (`sampling.rejection_sample`). A greedy batch
+takes a shortcut with the same result: a one-hot target accepts drafts while they equal its
+argmax and adds the argmax at the first miss, with no vocabulary-sized tensors.
+
+A tree row (see cluster.engine.tree for its layout) is walked from the root: at each node
+the target's token there is drawn exactly as plain decoding draws it (the argmax, or an
+exponential race with the request's generator); if a child holds that token the walk moves
+on, otherwise the token ends the step. Each emitted token is thus a draw from the target
+given the tokens before it, whatever the tree held. (It is recursive rejection sampling over
+siblings with one-hot proposals: a candidate is accepted with probability p(candidate).)
+
+Randomness comes only from each request's own generator, so a seed reproduces its output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.engine.drafters.base import DraftOutput
+from cluster.engine.sampling import SamplingParams, rejection_sample, target_probs
+
+
+@dataclass
+class Accepted:
+    tokens: list[list[int]]   # per row: the accepted drafts, then the one token that follows
+    paths: list[list[int]]    # per row: indices of the accepted drafts among the row's drafts
+
+    def last_fed(self, b: int) -> int:
+        """Feed index (0 = the row's last token) of row b's last accepted position."""
+        return self.paths[b][-1] + 1 if self.paths[b] else 0
+
+
+def accept(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+           drafts: DraftOutput) -> Accepted:
+    """logits [B, T, V] fp32 at each row's fed positions ([last token] + drafts) -> Accepted."""
+    trees = drafts.parents or [None] * len(params)
+    chain = [b for b, t in enumerate(trees) if t is None]
+    tokens: list[list[int]] = [[] for _ in params]
+    paths: list[list[int]] = [[] for _ in params]
+    if chain:
+        sub = [drafts.tokens[b] for b in chain]
+        none = [None] * len(params)  # rows with no drafts carry no proposals
+        q = ([(drafts.q_ids or none)[b] for b in chain], [(drafts.q_probs or none)[b] for b in chain])
+        rows = logits if len(chain) == len(params) else logits[chain]
+        for b, toks in zip(chain, _accept_chains(rows, [params[b] for b in chain], [generators[b] for b in chain],
+                                                 sub, *q)):
+            tokens[b], paths[b] = toks, list(range(len(toks) - 1))
+    for b, parents in enumerate(trees):
+        if parents is not None:
+            nodes = drafts.tokens[b]
+            path, token = accept_tree(parents, nodes, logits[b, : len(nodes) + 1], params[b], generators[b])
+            tokens[b], paths[b] = [nodes[i] for i in path] + [token], path
+    return Accepted(tokens, paths)
+
+
+def _accept_chains(logits, params, generators, drafts, q_ids, q_probs) -> list[list[int]]:
+    B, vocab = len(params), logits.shape[-1]
+    G = max((len(t) for t in drafts), default=0)
+    dev = logits.device
+    if all(p.greedy for p in params):
+        best = logits[:, : G + 1].argmax(-1).tolist()
+        out = []
+        for row, t in zip(best, drafts):
+            n = 0
+            while n < len(t) and t[n] == row[n]:
+                n += 1
+            out.append(row[: n + 1])
+        return out
+    p = target_probs(logits[:, : G + 1].reshape(-1, vocab), params, G + 1).view(B, G + 1, vocab)
+    q = torch.zeros((B, G, vocab), device=dev)
+    draft_ids = torch.full((B, G), -1, dtype=torch.int64)
+    for b, t in enumerate(drafts):
+        if t:
+            draft_ids[b, : len(t)] = torch.tensor(t)
+            ids = torch.as_tensor(q_ids[b][: len(t)], dtype=torch.int64, device=dev)
+            q[b, : len(t)].scatter_add_(-1, ids, torch.as_tensor(q_probs[b][: len(t)], device=dev))
+    # greedy rows are one-hot and need no randomness: accept iff p(d) > 0, i.e. d is the argmax
+    uniform = torch.zeros((B, G), device=dev)
+    noise = torch.ones((B, vocab), device=dev)
+    for b, (sp, gen) in enumerate(zip(params, generators)):
+        if not sp.greedy:
+            uniform[b] = torch.rand(G, generator=gen).to(dev)
+            noise[b] = torch.empty(vocab).exponential_(generator=gen).clamp_(min=1e-20).to(dev)
+    num_draft = torch.tensor([len(t) for t in drafts], device=dev)
+    out, num_acc = rejection_sample(draft_ids.to(dev), num_draft, q, p, uniform, noise)
+    return [row[: n + 1] for row, n in zip(out.tolist(), num_acc.tolist())]
+
+
+def walk(parents: list[int], tokens: list[int], draw) -> tuple[list[int], int]:
+    """Accepted nodes (draft indices, root to leaf) and the token that follows them.
+    `draw(feed_index)` is the target's token at that feed position."""
+    children: dict[tuple[int, int], int] = {}
+    for i, (p, t) in enumerate(zip(parents, tokens)):
+        children.setdefault((p, t), i)  # siblings should be distinct; a duplicate can never win
+    path, node = [], -1
+    while True:
+        token = draw(node + 1)
+        nxt = children.get((node, token))
+        if nxt is None:
+            return path, token
+        path.append(nxt)
+        node = nxt
+
+
+def accept_tree(parents: list[int], tokens: list[int], logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator) -> tuple[list[int], int]:
+    """logits [n+1, V] at [root] + nodes -> (accepted path, next token). Draws one Exp(1)
+    vector per visited node, as a plain decoding step does."""
+    if params.greedy:
+        best = logits.argmax(-1).tolist()
+        return walk(parents, tokens, best.__getitem__)
+    probs = target_probs(logits, [params], logits.shape[0])
+    vocab = probs.shape[-1]
+
+    def draw(i: int) -> int:
+        noise = torch.empty(vocab).exponential_(generator=generator).clamp_(min=1e-20).to(probs.device)
+        return int((probs[i] / noise).argmax())  # exponential race: a draw from probs[i]
+
+    return walk(parents, tokens, draw)

@@ -1,0 +1,68 @@
+"""The engine's configuration: one class, one set of defaults, documented once.
+
+It is also the cluster config's `engine:` section (cluster.config). The last five fields
+come from other sections there (`models.device`, `models.dtype`, `models.attention`,
+`speculation.gamma`, `speculation.gamma_max`), so they are not written under `engine:`
+and do not appear in its dump.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+    max_num_seqs: int = Field(32, ge=1)
+    """KV slots per verifier replica: sequences decoding at once."""
+    max_model_len: int = Field(1024, ge=16)
+    """Prompt plus output tokens per sequence."""
+    max_waiting: int = Field(64, ge=0)
+    """Bounded admission queue per replica; beyond it requests get RESOURCE_EXHAUSTED."""
+    max_batch_tokens: int = Field(512, ge=1)
+    """Verify-token budget of one step: sum of gamma+1 over rows plus prefill tokens."""
+    prefill_chunk: int = Field(256, ge=1)
+    """Prompt tokens per sequence per step (chunked prefill)."""
+    block_size: int = Field(16, ge=1)
+    """Tokens per prefix block (the unit of the block hash and the KV directory)."""
+    prefix_cache_blocks: int = Field(512, ge=0)
+    """Prompt blocks kept for reuse per replica; 0 disables the prefix cache."""
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
+    """KV cache element type: auto (the model's dtype) or fp8 (e4m3 with per-layer scales
+    calibrated at start-up; on FA3 attention itself runs in fp8). Half the cache bytes;
+    accuracy in benchmarks/gpu/h100/fp8."""
+    compile: bool = False
+    """GPU fast path: Triton GEMV with fused norm/SiLU/residual for batch-1 steps and
+    torch.compile'd elementwise kernels (CUDA only; ignored on CPU). Costs warm-up time."""
+    cuda_graphs: bool = True
+    """Capture decode, verify and prefill steps as CUDA graphs (FA3 on CUDA only)."""
+    draft_look_ahead: bool = True
+    """A model drafter on a GPU drafts the next step while the target verifies, guessing
+    every draft is accepted; a right guess saves that step's drafting. Remote drafters look
+    ahead while the waits their hits save outweigh the waits their misses cost
+    (cluster/engine/drafting.py). false turns both off."""
+
+    device: str = Field("cpu", exclude=True)
+    """Set from models.device: cpu or cuda."""
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", exclude=True)
+    """Set from models.dtype: weights and activations."""
+    attention: Literal["auto", "fa3", "sdpa"] = Field("auto", exclude=True)
+    """Set from models.attention: the attention backend."""
+    gamma: int = Field(4, ge=0, exclude=True)
+    """Set from speculation.gamma: draft tokens for 'auto' requests when no controller is set."""
+    gamma_max: int = Field(8, ge=0, exclude=True)
+    """Set from speculation.gamma_max: the longest draft a step verifies (sizes graphs and slots)."""
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.gamma > self.gamma_max:
+            raise ValueError(f"gamma ({self.gamma}) must be <= gamma_max ({self.gamma_max})")
+        if self.max_batch_tokens < self.gamma_max + 1:
+            raise ValueError("max_batch_tokens must hold one row of gamma_max + 1 tokens")
+        return self
+
+
+DERIVED = ("device", "dtype", "attention", "gamma", "gamma_max")

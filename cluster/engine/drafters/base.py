@@ -1,0 +1,95 @@
+"""What crosses the verifier -> drafter boundary, and the Drafter protocol.
+
+A request carries everything a drafter needs, so a drafter holds no engine and any
+drafter instance (in this process or a remote replica) can serve any call: the sequence's
+full token list (state is keyed by seq_id and resynchronised from the tokens; rejected drafts
+roll back by the common prefix), its sampling parameters, and, for drafters that say they
+read the target, the target's hidden state or the location of its KV. The drafter is
+disposable: losing its state costs a re-prefill, never correctness.
+
+Proposals travel as sparse distributions (top-K ids and probabilities per position): a
+drafter that samples from its own top-K-truncated distribution gives exactly the q each
+draft came from, which is what rejection sampling needs.
+"""
+
+from __future__ import annotations
+
+import abc
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cluster.engine.sampling import SamplingParams
+
+TOPK = 32  # support kept for sampled proposals; greedy proposals are one-hot
+
+
+@dataclass
+class DraftRequest:
+    seq_id: str
+    token_ids: list[int]             # prompt + accepted output so far
+    k: int                           # tokens to propose
+    params: SamplingParams = field(default_factory=SamplingParams)
+    confirmed: int | None = None     # of token_ids, how many are accepted (None: all); the rest
+                                     # are drafts a look-ahead request assumes will be accepted
+    # Filled only for drafters that ask (Drafter.reads_hidden): the target's final-normed
+    # hidden state [D] at the last token, None when no target pass has produced it yet.
+    hidden: torch.Tensor | None = None
+    # Filled only for drafters that share the target's KV (Drafter.reads_target_kv): the
+    # sequence's slot in the target's cache and the tokens cached there.
+    target_kv: tuple[int, int] | None = None
+
+
+@dataclass
+class DraftOutput:
+    tokens: list[list[int]]          # per request, at most k tokens (may be fewer, or none)
+    q_ids: list[np.ndarray]          # per request [n, K] int32 support of each proposal
+    q_probs: list[np.ndarray]        # per request [n, K] float32 probabilities on that support
+    seconds: float = 0.0
+    # per request, a tree instead of a chain: each draft's parent draft, -1 for the last
+    # accepted token (parents first; see cluster.engine.tree). None: every row is a chain.
+    parents: list[list[int] | None] | None = None
+
+
+def one_hot(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """A greedy proposal's support and probabilities: [n, 1] each."""
+    return np.asarray(tokens, np.int32).reshape(-1, 1), np.ones((len(tokens), 1), np.float32)
+
+
+class Drafter(abc.ABC):
+    name = "drafter"
+    # Whether the engine asks for the next step's drafts while this step verifies (assuming
+    # every draft is accepted): "gated", a drafter in another process, whose queue makes a
+    # wrong guess cost a step, so only while guesses pay; "free", one that drafts on its own
+    # CUDA stream while the host would wait for the verify pass anyway; None, never.
+    look_ahead: str | None = None
+    reads_hidden = False     # requests carry the target's last hidden state (DraftRequest.hidden)
+    reads_target_kv = False  # requests carry the target's KV location (DraftRequest.target_kv)
+
+    @abc.abstractmethod
+    def propose(self, requests: list[DraftRequest]) -> DraftOutput: ...
+
+    def propose_async(self, requests: list[DraftRequest]) -> Future:
+        """Remote drafters return a pending future; local ones compute now."""
+        fut: Future = Future()
+        fut.set_result(self.propose(requests))
+        return fut
+
+    def release(self, seq_ids: list[str]) -> None:
+        """Forget per-sequence state (the sequence finished)."""
+
+
+def empty_rows(tokens: list[list[int]], ids: list, probs: list) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per-row proposals as [n, K] arrays; a row with no drafts gets [0, 1] arrays."""
+    return ([np.asarray(i, np.int32).reshape(len(t), -1 if t else 1) for i, t in zip(ids, tokens)],
+            [np.asarray(p, np.float32).reshape(len(t), -1 if t else 1) for p, t in zip(probs, tokens)])
+
+
+def draft_generator(seed: int | None) -> torch.Generator:
+    """A sequence's own draft-sampling stream (seeded requests draft reproducibly); never the
+    target's generator, whose draws decide acceptance."""
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
+    return g

@@ -1,0 +1,30 @@
+"""Loading a model directory: a Hugging Face one, or an embedded demo model (embed.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from cluster.engine.embedded import load_embedded
+from cluster.engine.model import CausalLM, load_hf_model
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+    """A Hugging Face directory (config.json + safetensors), or a directory with embed.json: a
+    small trained model built into a larger shape (cluster.engine.embedded)."""
+    path = Path(path)
+    if (path / "embed.json").is_file():
+        return load_embedded(path, dtype, device)
+    return load_hf_model(path, dtype, device)
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a model directory; an embedded model (embed.json) uses its source's."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if (path / "embed.json").is_file():
+        return load_tokenizer((path / json.loads((path / "embed.json").read_text())["source"]).resolve())
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,96 @@
+"""What crosses the ingress -> verifier boundary, in no protocol's terms.
+
+An ingress (the gRPC Router; an HTTP one can follow) turns its request into a
+`GenerateCall`, streams the verifier's outputs with `stream_outputs`, and maps the
+`ErrorKind` of any failure onto its own status codes, in one table of its own. Nothing here
+imports grpc, Ray or torch: the verifier, the request router (which Serve pickles by value
+into every process holding a Verifier handle) and unit tests import it cheaply.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import traceback
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cluster.engine.sampling import SamplingParams
+    from cluster.engine.sequence import SpecParams
+
+log = logging.getLogger(__name__)
+
+
+class ErrorKind(enum.Enum):
+    """Why a request failed; each ingress maps these onto its protocol's codes."""
+    INVALID = "invalid"                  # bad input: the message names the field
+    UNAUTHENTICATED = "unauthenticated"  # no API key, or a wrong one
+    NOT_FOUND = "not_found"              # a model this cluster does not serve
+    EXHAUSTED = "exhausted"              # a limit: router in flight, per client, the verifier's queue
+    UNAVAILABLE = "unavailable"          # no verifier answered; a retry may succeed
+    DEADLINE = "deadline"
+    CANCELLED = "cancelled"
+    INTERNAL = "internal"                # a bug: the message names the exception type only
+
+
+@dataclass
+class GenerateCall:
+    """What an ingress sends a Verifier for one request: already validated and tokenized."""
+    prompt_ids: list[int]
+    params: SamplingParams
+    spec: SpecParams
+    drafter: str | None = None
+    request_id: str | None = None
+
+
+@dataclass
+class ErrorOutput:
+    """A request's failure as an item of the verifier's stream rather than an exception,
+    so its kind and message survive the hop unchanged."""
+    kind: ErrorKind
+    message: str
+
+
+class RequestError(Exception):
+    """A request refused or failed, with the kind an ingress maps to its status code."""
+
+    def __init__(self, kind: ErrorKind, message: str):
+        super().__init__(message)
+        self.kind, self.message = kind, message
+
+
+def internal_error(e: BaseException, where: str) -> RequestError:
+    """An unexpected exception as an INTERNAL error. The log gets its type and line but
+    not its message, and neither does the client: it may quote the prompt."""
+    tb = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+    log.error("internal error in the %s: %s at %s:%s", where, type(e).__name__,
+              tb.filename if tb else "?", tb.lineno if tb else "?")
+    return RequestError(ErrorKind.INTERNAL, f"internal error ({type(e).__name__})")
+
+
+async def stream_outputs(verifier, call: GenerateCall):
+    """The verifier's outputs for `call`, from a Serve handle to the Verifier deployment.
+
+    An `ErrorOutput` is raised as a RequestError of its kind; a broken call (the replica
+    died, the hop failed) as UNAVAILABLE, since the client may retry. If the stream stops
+    before the last output (the client left, or the call failed) the verifier call is
+    cancelled, so the verifier frees the sequence now.
+    """
+    gen = verifier.options(stream=True).generate.remote(call)
+    done = False
+    try:
+        async for out in gen:
+            if isinstance(out, ErrorOutput):
+                raise RequestError(out.kind, out.message)
+            done = out.finished
+            yield out
+    except RequestError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        log.warning("verifier call failed: %s", e)
+        raise RequestError(ErrorKind.UNAVAILABLE, f"verifier unavailable: {type(e).__name__}") from None
+    finally:
+        if not done:
+            gen.cancel()
+
