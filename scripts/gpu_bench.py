@@ -135,7 +135,7 @@ def main() -> int:
              ceiling_tokens_per_s=ceiling)
     log(f"bandwidth {bw/1e12:.2f} TB/s, ceiling {ceiling:.1f} tok/s, target {param_bytes/1e9:.2f} GB")
     cfg = EngineConfig(max_num_seqs=64, max_model_len=1024, max_batch_tokens=4096, prefill_chunk=512,
-                       prefix_cache_blocks=0, gamma=4, gamma_max=8, device="cuda", dtype="bfloat16",
+                       gamma=4, gamma_max=8, device="cuda", dtype="bfloat16",
                        compile=os.environ.get("COMPILE", "1") == "1")
     drafter = ModelDrafter(draft, cfg.max_num_seqs + 2, cfg.max_model_len)
     tok = AutoTokenizer.from_pretrained(DEMO / "target")

@@ -32,7 +32,7 @@ def parity(results: dict) -> None:
     out = {}
     for name, backend in (("sdpa", SdpaBackend()), ("fa3", fa3)):
         model.backend = backend
-        kv = KVCache(s.layers, 4, 4096, s.kv_heads, s.head_dim, torch.bfloat16, "cuda")
+        kv = KVCache.dense(s.layers, 4, 4096, s.kv_heads, s.head_dim, torch.bfloat16, "cuda")
         r = Runner(model, kv)
         g = torch.Generator().manual_seed(1)
         p = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (700, 333)]
@@ -60,7 +60,7 @@ def decode_speed(results: dict, bandwidth: float) -> None:
            "ceiling_tokens_per_s": 1e3 / floor_ms}
     for name in ("fa3", "sdpa"):
         model.backend = make_backend(name, torch.device("cuda"), torch.bfloat16)
-        kv = KVCache(s.layers, 2, 2048 + 64, s.kv_heads, s.head_dim, torch.bfloat16, "cuda")
+        kv = KVCache.dense(s.layers, 2, 2048 + 64, s.kv_heads, s.head_dim, torch.bfloat16, "cuda")
         r = Runner(model, kv)
         r.forward([0], [0], [list(range(1, 513))], last_only=True)  # 512-token prompt
         pos = [512]

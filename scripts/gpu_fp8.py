@@ -72,7 +72,7 @@ def measure(kv_dtype: str, target, draft, tok, prompts, seqs) -> dict:
     from cluster.engine.sequence import SpecParams
 
     cfg = EngineConfig(max_num_seqs=BATCH, max_model_len=CTX + 64, max_batch_tokens=4096, prefill_chunk=512,
-                       prefix_cache_blocks=0, gamma=4, gamma_max=4, device=DEV, dtype="float32" if SMOKE else "bfloat16",
+                       gamma=4, gamma_max=4, device=DEV, dtype="float32" if SMOKE else "bfloat16",
                        compile=not SMOKE, kv_cache_dtype=kv_dtype)
     drafter = ModelDrafter(draft, cfg.max_num_seqs + 2, 1024)
     t = time.time()

@@ -150,7 +150,7 @@ def main() -> int:
     R["kernels"] = kernels(bw)
     print(f"kernel sweep {time.perf_counter() - t0:.0f} s", flush=True)
     target, _ = demo_8b(DEMO / "target", DEMO / "draft")
-    cfg = EngineConfig(max_num_seqs=16, max_model_len=1024, prefix_cache_blocks=0, device="cuda", dtype="bfloat16",
+    cfg = EngineConfig(max_num_seqs=16, max_model_len=1024, device="cuda", dtype="bfloat16",
                        compile=True)
     engine = Engine(target, AutoTokenizer.from_pretrained(DEMO / "target"), cfg)
     logits = {}

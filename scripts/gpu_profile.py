@@ -117,7 +117,7 @@ def main():
     R["gemv"] = gemv_table(bw)
     model = random_llama()
     cfg = EngineConfig(max_num_seqs=8, max_model_len=1024, max_batch_tokens=4096, prefill_chunk=512,
-                       prefix_cache_blocks=0, gamma=4, gamma_max=8, device="cuda", dtype="bfloat16",
+                       gamma=4, gamma_max=8, device="cuda", dtype="bfloat16",
                        compile=os.environ.get("COMPILE", "1") == "1")
     engine = Engine(model, NullTokenizer(), cfg, identity="llama8b-random")
     R["breakdown"] = kernel_breakdown(engine)

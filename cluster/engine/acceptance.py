@@ -80,12 +80,13 @@ def _accept_chains(logits, params, generators, drafts, q_ids, q_probs) -> list[l
             draft_ids[b, : len(t)] = torch.tensor(t)
             ids = torch.as_tensor(q_ids[b][: len(t)], dtype=torch.int64, device=dev)
             q[b, : len(t)].scatter_add_(-1, ids, torch.as_tensor(q_probs[b][: len(t)], device=dev))
-    # greedy rows are one-hot and need no randomness: accept iff p(d) > 0, i.e. d is the argmax
+    # greedy rows are one-hot and need no randomness: accept iff p(d) > 0, i.e. d is the argmax.
+    # A row draws for its own drafts only, so its stream does not depend on its batch.
     uniform = torch.zeros((B, G), device=dev)
     noise = torch.ones((B, vocab), device=dev)
-    for b, (sp, gen) in enumerate(zip(params, generators)):
+    for b, (sp, gen, t) in enumerate(zip(params, generators, drafts)):
         if not sp.greedy:
-            uniform[b] = torch.rand(G, generator=gen).to(dev)
+            uniform[b, : len(t)] = torch.rand(len(t), generator=gen).to(dev)
             noise[b] = torch.empty(vocab).exponential_(generator=gen).clamp_(min=1e-20).to(dev)
     num_draft = torch.tensor([len(t) for t in drafts], device=dev)
     out, num_acc = rejection_sample(draft_ids.to(dev), num_draft, q, p, uniform, noise)

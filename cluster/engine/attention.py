@@ -1,11 +1,18 @@
-"""Attention backends behind one small interface.
+"""Attention backends behind one small interface, over the paged KV cache.
 
 The runner fills one `AttnContext` per step; every attention layer calls
-`backend(q, k, v, k_cache, v_cache, ctx)`. KV lives in per-sequence slots
-(`[num_slots, capacity, kv_heads, head_dim]`) because the fa3-fwd wheel has no paged KV:
-a step writes its new keys/values at `cache_len .. cache_len + q_len` of each slot and
-attends causally over the slot's prefix. Prefill, decode and multi-token verify are the
-same call with different q lengths.
+`backend(q, k, v, k_cache, v_cache, ctx, scale)` with that layer's cache
+(`[blocks + 1, block_size, kv_heads, head_dim]`, see cluster.engine.kv_cache). A step writes
+its new keys/values at positions `cache_len .. cache_len + q_len` of each row (through the
+row's block table) and attends causally over everything before. Prefill, decode and
+multi-token verify are the same call with different q lengths.
+
+`BACKENDS` is the one list of them (config validation reads it):
+- `sdpa`: PyTorch's scaled_dot_product_attention over keys gathered through the block
+  tables; any device, arbitrary masks (draft trees).
+- `triton`: cluster.engine.paged_attention, reading the block tables itself; CUDA graphs.
+- `fa3`: FlashAttention-3's own paged interface (`page_table=`), where the installed FA3 build
+  has paged KV (the fa3-fwd 0.0.3 wheel does not; it is probed at start).
 """
 
 from __future__ import annotations
@@ -23,43 +30,53 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class AttnContext:
-    slots: torch.Tensor       # [B] int64 slot of each row
+    rows: torch.Tensor        # [B] int64 block-table row of each sequence
     cache_lens: torch.Tensor  # [B] int64 tokens already cached before this step
     q_lens: torch.Tensor      # [B] int64 real (unpadded) new tokens per row
     positions: torch.Tensor   # [B, T] absolute position of every (padded) new token
-    valid: torch.Tensor       # [B, T] bool, False on padding
     width: int                # T, padded new tokens per row
-    max_kv: int               # max over rows of cache_len + T
-    write_src: torch.Tensor   # [N] flat index (b * T + t) of each real new token
-    write_rows: torch.Tensor  # [N] its slot
-    write_cols: torch.Tensor  # [N] its position in the slot
-    slots_i32: torch.Tensor | None = None      # [B] int32 copies for FA3, made once per step
-    cache_lens_i32: torch.Tensor | None = None  # (not once per layer)
+    max_kv: int               # max over rows of cache_len + T (an upper bound in CUDA graphs)
+    slots: torch.Tensor       # [B * T] flat cache index of every (padded) new token
+    write_src: torch.Tensor | None  # [N] flat index (b * T + t) of the real new tokens; None: all
+    tables: torch.Tensor      # the cache's [rows, max_blocks] int32 block tables
+    splits: int = 1           # key splits per row for the triton kernel (flash-decoding)
     sdpa_mask: torch.Tensor | None = None  # [B, 1, T, max_kv], built once per step
     tree_mask: torch.Tensor | None = None  # [B, T, T] bool: new token t sees new token j (tree verify)
-    fa3_meta: torch.Tensor | None = None   # FA3 scheduler metadata (splits per row), once per step
+    page_table: torch.Tensor | None = None  # [B, max_blocks] for FA3, gathered once per step
+    lens_i32: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, slots: list[int], cache_lens: list[int], q_lens: list[int], device) -> "AttnContext":
+    def build(cls, kv, rows: list[int], cache_lens: list[int], q_lens: list[int], device) -> "AttnContext":
         width = max(q_lens)
         t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-        slots_t, lens_t, q_t = t(slots), t(cache_lens), t(q_lens)
-        ar = torch.arange(width, device=device)
-        # scatter indices from host lists: no device->host sync inside the layers
-        src = [b * width + i for b, n in enumerate(q_lens) for i in range(n)]
-        rows = [s for s, n in zip(slots, q_lens) for _ in range(n)]
-        cols = [c + i for c, n in zip(cache_lens, q_lens) for i in range(n)]
-        return cls(slots_t, lens_t, q_t, lens_t[:, None] + ar, ar[None, :] < q_t[:, None],
-                   width, max(c + width for c in cache_lens), t(src), t(rows), t(cols),
-                   slots_t.to(torch.int32), lens_t.to(torch.int32))
+        rows_t, lens_t, q_t = t(rows), t(cache_lens), t(q_lens)
+        pos = lens_t[:, None] + torch.arange(width, device=device)
+        src = None
+        if any(n < width for n in q_lens):  # index lists from the host: no sync in the layers
+            src = t([b * width + i for b, n in enumerate(q_lens) for i in range(n)])
+        max_kv = max(c + width for c in cache_lens)
+        return cls(rows_t, lens_t, q_t, pos, width, max_kv, kv.slots(rows_t, pos).flatten(), src, kv.tables)
 
 
 def write_kv(k, v, k_cache, v_cache, ctx: AttnContext, scale=None) -> None:
-    """Scatter the real (unpadded) new keys/values into their slots (e4m3 with `scale`)."""
+    """Scatter the step's new keys/values into their blocks (e4m3 with `scale`)."""
     for new, cache, j in ((k, k_cache, 1), (v, v_cache, 2)):
-        rows = new.flatten(0, 1)[ctx.write_src]
-        cache[ctx.write_rows, ctx.write_cols] = (rows.to(cache.dtype) if scale is None
-                                                 else fp8.quantize(rows, scale[j, 0, 0]))
+        rows = new.flatten(0, 1)
+        slots = ctx.slots
+        if ctx.write_src is not None:
+            rows, slots = rows[ctx.write_src], slots[ctx.write_src]
+        cache.view(-1, *cache.shape[2:])[slots] = rows.to(cache.dtype) if scale is None else fp8.quantize(rows, scale[j])
+
+
+def gather_kv(cache: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
+    """[B, max_kv, Hkv, D]: each row's positions 0 .. max_kv-1 through its block table."""
+    pos = torch.arange(ctx.max_kv, device=cache.device)[None, :].expand(len(ctx.rows), -1)
+    return cache.view(-1, *cache.shape[2:])[ctx_slots(ctx, pos, cache.shape[1])]
+
+
+def ctx_slots(ctx: AttnContext, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    col = (positions // block_size).clamp(max=ctx.tables.shape[1] - 1)
+    return ctx.tables[ctx.rows[:, None], col].long() * block_size + positions % block_size
 
 
 def sdpa_mask(ctx: AttnContext, device) -> torch.Tensor:
@@ -77,18 +94,19 @@ def sdpa_mask(ctx: AttnContext, device) -> torch.Tensor:
 
 
 class SdpaBackend:
-    """PyTorch scaled_dot_product_attention over the gathered slot prefix (CPU, any GPU)."""
+    """PyTorch scaled_dot_product_attention over keys gathered through the block tables."""
 
     name = "sdpa"
     supports_tree = True  # arbitrary masks: a draft tree verifies in one row
+    graphs = False        # gathers by a host-side length
 
     def __call__(self, q, k, v, k_cache, v_cache, ctx: AttnContext, scale=None) -> torch.Tensor:
-        # q: [B, T, H, D]; k, v: [B, T, Hkv, D]; caches: [S, cap, Hkv, D]
+        # q: [B, T, H, D]; k, v: [B, T, Hkv, D]
         write_kv(k, v, k_cache, v_cache, ctx, scale)
-        keys = k_cache[ctx.slots, : ctx.max_kv].transpose(1, 2).to(q.dtype)    # [B, Hkv, L, D]
-        vals = v_cache[ctx.slots, : ctx.max_kv].transpose(1, 2).to(q.dtype)
+        keys = gather_kv(k_cache, ctx).transpose(1, 2).to(q.dtype)    # [B, Hkv, L, D]
+        vals = gather_kv(v_cache, ctx).transpose(1, 2).to(q.dtype)
         if scale is not None:  # e4m3 cache: dequantize for a full-precision query
-            keys, vals = keys * scale[1, 0, 0].to(q.dtype), vals * scale[2, 0, 0].to(q.dtype)
+            keys, vals = keys * scale[1].to(q.dtype), vals * scale[2].to(q.dtype)
         if ctx.sdpa_mask is None:  # causal over each row's own prefix, shared by all layers
             ctx.sdpa_mask = sdpa_mask(ctx, q.device)
         out = F.scaled_dot_product_attention(
@@ -98,64 +116,91 @@ class SdpaBackend:
         return out.transpose(1, 2)                                 # [B, T, H, D]
 
 
-class Fa3Backend:
-    """FlashAttention-3 forward (Hopper; bf16, or e4m3 over an fp8 cache) with `cache_batch_idx` over slots.
+class TritonBackend:
+    """cluster.engine.paged_attention: reads the block tables and lengths from tensors, so a
+    step replays as a CUDA graph."""
 
-    The kernel appends each row's T new keys/values at `cache_len` itself (one kernel, not
-    a scatter per layer), then attends over `cache_len + T` keys with bottom-right causal
-    alignment, so a real query t sees exactly keys 0..cache_len+t. A row shorter than T
-    (padding) writes a few keys past its length, which no query reads before the row's next
-    step overwrites them; slots keep `T` spare positions past max_model_len for this (see
-    KVCache.capacity), and padded rows' outputs are dropped.
-    """
+    name = "triton"
+    supports_tree = False  # causal only: tree drafters propose a single path here
+    graphs = True
+
+    def __init__(self):
+        from cluster.engine import paged_attention
+
+        self.kernel = paged_attention.paged_attention
+
+    def __call__(self, q, k, v, k_cache, v_cache, ctx: AttnContext, scale=None) -> torch.Tensor:
+        assert ctx.tree_mask is None, "the triton backend has no arbitrary masks"
+        write_kv(k, v, k_cache, v_cache, ctx, scale)
+        # the scales live on the host: numbers here, constants of a captured graph
+        kv_scales = None if scale is None else (float(scale[1]), float(scale[2]))
+        return self.kernel(q, k_cache, v_cache, ctx.tables, ctx.rows, ctx.cache_lens, ctx.q_lens, ctx.splits,
+                           kv_scales)
+
+
+class Fa3Backend:
+    """FlashAttention-3's paged KV interface: the kernel appends the step's keys/values
+    through the page table itself, then attends with bottom-right causal alignment."""
 
     name = "fa3"
-    supports_tree = False  # causal only: tree drafters propose a single path here
+    supports_tree = False
+    graphs = True
 
-    def __init__(self, fn, meta_fn=None):
-        self.fn, self.meta_fn = fn, meta_fn
+    def __init__(self, fn):
+        self.fn = fn
 
     def __call__(self, q, k, v, k_cache, v_cache, ctx: AttnContext, scale=None) -> torch.Tensor:
         assert ctx.tree_mask is None, "fa3 has no arbitrary masks"
-        descale = {}
-        if scale is not None:  # e4m3 cache: q, k, v all in e4m3, the scales as FA3's descales
-            q, k, v = fp8.KERNELS["quantize_qkv"](q, k, v, scale)
-            b = q.shape[0]
-            descale = dict(q_descale=scale[0, :b], k_descale=scale[1, :b], v_descale=scale[2, :b])
-        if ctx.fa3_meta is None and self.meta_fn is not None:
-            # How to split each row's keys, computed once for all layers instead of a
-            # prepare kernel per layer: 14.7 -> 13.2 us per decode layer on an H100
-            # (benchmarks/gpu/h100/gpu_attn_tune.json). Its arguments mirror the call below.
-            b, t, h, d = q.shape
-            ctx.fa3_meta = self.meta_fn(b, t, k_cache.shape[1], h, k_cache.shape[2], d, ctx.cache_lens_i32,
-                                        q.dtype, max_seqlen_k_new=t, causal=True)
-        out = self.fn(q, k_cache, v_cache, k=k, v=v, cache_seqlens=ctx.cache_lens_i32,
-                      cache_batch_idx=ctx.slots_i32, causal=True, scheduler_metadata=ctx.fa3_meta, **descale)
+        assert scale is None, "fp8 KV on the fa3 paged backend is not wired; use attention: triton"
+        if ctx.page_table is None:
+            ctx.lens_i32, ctx.page_table = ctx.cache_lens.to(torch.int32), ctx.tables[ctx.rows]
+        out = self.fn(q, k_cache, v_cache, k=k, v=v, cache_seqlens=ctx.lens_i32, page_table=ctx.page_table,
+                      causal=True)
         return out[0] if isinstance(out, tuple) else out
 
 
 def _load_fa3():
     for module in ("flash_attn_interface", "fa3_fwd_interface"):
         try:
-            mod = __import__(module)
-            return module, mod.flash_attn_with_kvcache, getattr(mod, "get_scheduler_metadata", None)
+            return module, __import__(module).flash_attn_with_kvcache
         except (ImportError, AttributeError):
             continue
-    return None, None, None
+    return None, None
+
+
+def _fa3_has_paged_kv(fn, device) -> bool:
+    """The fa3-fwd wheel is built without paged KV and says so when given a page table."""
+    q = torch.zeros((1, 1, 8, 128), dtype=torch.bfloat16, device=device)
+    cache = torch.zeros((2, 16, 8, 128), dtype=torch.bfloat16, device=device)
+    try:
+        fn(q, cache, cache, cache_seqlens=torch.ones(1, dtype=torch.int32, device=device),
+           page_table=torch.zeros((1, 1), dtype=torch.int32, device=device), causal=True)
+        return True
+    except RuntimeError as e:
+        log.info("fa3 without paged KV (%s)", str(e).splitlines()[0])
+        return False
+
+
+BACKENDS = ("auto", "sdpa", "triton", "fa3")
 
 
 def make_backend(name: str, device: torch.device, dtype: torch.dtype):
-    """`auto` picks fa3 on Hopper with bf16 when a FA3 build imports, else sdpa."""
-    if name not in ("auto", "fa3", "sdpa"):
-        raise ValueError(f"attention backend must be auto, fa3 or sdpa, got {name!r}")
-    if name in ("auto", "fa3"):
-        hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-        module, fn, meta_fn = _load_fa3() if hopper else (None, None, None)
-        if fn is not None and dtype in (torch.bfloat16, torch.float16):
-            log.info("attention backend: fa3 (%s)", module)
-            return Fa3Backend(fn, meta_fn)
-        if name == "fa3":
-            raise RuntimeError("attention backend fa3 needs a Hopper GPU, bf16/fp16 and "
-                               "flash_attn_interface or fa3_fwd_interface (pip install 'spec-cluster[hopper]')")
+    """`auto`: FA3's paged interface on Hopper when the installed build has it, else the
+    triton kernel on CUDA, else sdpa."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    cuda = device.type == "cuda"
+    half = dtype in (torch.bfloat16, torch.float16)
+    if name in ("auto", "fa3") and cuda and half and torch.cuda.get_device_capability(device)[0] == 9:
+        module, fn = _load_fa3()
+        if fn is not None and _fa3_has_paged_kv(fn, device):
+            log.info("attention backend: fa3 (%s, paged)", module)
+            return Fa3Backend(fn)
+    if name == "fa3":
+        raise RuntimeError("attention backend fa3 needs a Hopper GPU, bf16/fp16 and a FlashAttention-3 build "
+                           "with paged KV (flash_attn_interface); attention: triton runs everywhere on CUDA")
+    if name == "triton" or (name == "auto" and cuda):
+        log.info("attention backend: triton (paged)")
+        return TritonBackend()
     log.info("attention backend: sdpa on %s", device)
     return SdpaBackend()

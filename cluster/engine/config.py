@@ -17,9 +17,9 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
     max_num_seqs: int = Field(32, ge=1)
-    """KV slots per verifier replica: sequences decoding at once."""
+    """Sequences decoding at once per verifier replica (a scheduling limit: KV is paged)."""
     max_model_len: int = Field(1024, ge=16)
-    """Prompt plus output tokens per sequence."""
+    """Prompt plus output tokens per sequence; costs nothing until a sequence uses it."""
     max_waiting: int = Field(64, ge=0)
     """Bounded admission queue per replica; beyond it requests get RESOURCE_EXHAUSTED."""
     max_batch_tokens: int = Field(512, ge=1)
@@ -27,9 +27,16 @@ class EngineConfig(BaseModel):
     prefill_chunk: int = Field(256, ge=1)
     """Prompt tokens per sequence per step (chunked prefill)."""
     block_size: int = Field(16, ge=1)
-    """Tokens per prefix block (the unit of the block hash and the KV directory)."""
-    prefix_cache_blocks: int = Field(512, ge=0)
-    """Prompt blocks kept for reuse per replica; 0 disables the prefix cache."""
+    """Tokens per KV block: the unit of the paged cache, the block hash and the KV directory."""
+    kv_cache_gb: float | None = Field(None, gt=0)
+    """KV pool size in GiB; null: from memory on a GPU (gpu_memory_utilization), or room for
+    max_num_seqs sequences of max_model_len tokens on a CPU."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Fraction of the GPU the verifier may fill; the KV pool gets what weights, a colocated
+    drafter, the widest step's activations and the CUDA graphs leave of it."""
+    prefix_caching: bool = True
+    """Share full prompt blocks between sequences (zero-copy, by block hash) and keep freed
+    ones cached until their blocks are needed (LRU)."""
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """KV cache element type: auto (the model's dtype) or fp8 (e4m3 with per-layer scales
     calibrated at start-up; on FA3 attention itself runs in fp8). Half the cache bytes;

@@ -106,7 +106,7 @@ class DraftPlanner:
         if drafter.reads_hidden and s.hidden is not None and s.hidden[0] == len(s.token_ids):
             req.hidden = s.hidden[1]  # fresh: taken at this length (Sequence.hidden)
         if drafter.reads_target_kv:
-            req.target_kv = (s.slot, s.num_cached)
+            req.target_kv = (s.kv.row, s.num_cached)
         return req
 
     @staticmethod

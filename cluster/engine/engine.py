@@ -3,8 +3,9 @@
     outputs = engine.step()   # prefill chunks, or one draft call + one verify pass
 
 Each verify row is [last token, d_1 .. d_g]; the target's logits at those g+1 positions
-decide, by rejection sampling, how many drafts stand and which token follows. The slot then
-keeps KV for the accepted tokens only: rolling back rejected drafts is moving a length.
+decide, by rejection sampling, how many drafts stand and which token follows. The sequence
+then keeps KV for the accepted tokens only: rolling back rejected drafts is moving a length
+(and giving back the blocks past it, cluster.engine.scheduler).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from pathlib import Path
 import torch
 
 from cluster.engine import fp8
+from cluster.engine.attention import make_backend
 from cluster.engine.acceptance import Accepted, accept
 from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.base import Drafter, DraftOutput
 from cluster.engine.drafting import DraftPlanner
 from cluster.engine.hashing import model_seed
 from cluster.engine.kv_cache import KVCache
+from cluster.engine.memory import num_kv_blocks
 from cluster.engine.loader import load_model, load_tokenizer
 from cluster.engine.model import CausalLM, compile_kernels
 from cluster.engine.observation import StepObservation, observation
@@ -47,15 +50,24 @@ class Engine:
         s = model.shape
         self.max_model_len = min(cfg.max_model_len, s.max_positions)
         p = next(model.parameters())
-        # spare positions past max_model_len: padded rows of a step (see attention.Fa3Backend)
-        capacity = self.max_model_len + max(cfg.prefill_chunk, cfg.gamma_max + 1)
-        kv_dtype = fp8.FP8 if cfg.kv_cache_dtype == "fp8" else p.dtype
-        self.kv = KVCache(s.layers, cfg.max_num_seqs, capacity, s.kv_heads, s.head_dim, kv_dtype, p.device,
-                          cfg.block_size, cfg.prefix_cache_blocks, model_seed(identity))
-        if cfg.kv_cache_dtype == "fp8":
-            self.kv.scales = fp8.calibrate(model, fp8.calibration_tokens(tokenizer), cfg.max_num_seqs + 1)
+        if model.backend is None:
+            model.backend = make_backend(cfg.attention, p.device, p.dtype)
         if cfg.compile and p.device.type == "cuda":
             compile_kernels()
+        # positions a row can address: spare ones past max_model_len take the padded writes of
+        # a step's short rows (cluster.engine.kv_cache), and one more a step launched ahead
+        max_tokens = self.max_model_len + max(cfg.prefill_chunk, cfg.gamma_max + 1) + 1
+        kv_dtype = fp8.FP8 if cfg.kv_cache_dtype == "fp8" else p.dtype
+        blocks = num_kv_blocks(model, cfg, kv_dtype, max_tokens)
+        need = -(-max_tokens // cfg.block_size)
+        if blocks < need:
+            raise ValueError(f"the KV cache holds {blocks} blocks of {cfg.block_size} tokens, less than one "
+                             f"sequence of max_model_len {self.max_model_len} needs ({need}): raise "
+                             f"engine.kv_cache_gb or gpu_memory_utilization, or lower max_model_len")
+        self.kv = KVCache(s.layers, blocks, cfg.block_size, s.kv_heads, s.head_dim, kv_dtype, p.device,
+                          cfg.max_num_seqs, max_tokens, model_seed(identity), cfg.prefix_caching)
+        if cfg.kv_cache_dtype == "fp8":
+            self.kv.scales = fp8.calibrate(model, fp8.calibration_tokens(tokenizer))
         graph_width = cfg.gamma_max + 1 if cfg.cuda_graphs and p.device.type == "cuda" else 0
         # prefill graphs up to 2048 padded tokens: past that a pass's GPU work hides the
         # eager pass's host work (H100, 8B shape: ~40 ms of it), and padding only costs
@@ -178,14 +190,14 @@ class Engine:
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
         seqs = [s for s, _ in chunks]
         feeds = [s.token_ids[s.num_cached:s.num_cached + n] for s, n in chunks]
-        logits, hidden = self.runner.forward([s.slot for s in seqs], [s.num_cached for s in seqs], feeds, True, hidden=True)
+        logits, hidden = self.runner.forward([s.kv.row for s in seqs], [s.num_cached for s in seqs], feeds, True,
+                                             hidden=True)
         done = []
         for b, (seq, n) in enumerate(chunks):
             seq.num_cached += n
-            if seq.prefilled:
+            self.scheduler.settle(seq)
+            if seq.prefilled and not seq.output_ids:  # a fresh prompt's last position: its first token
                 done.append(b)
-                if self.kv.prefix is not None:
-                    self.kv.prefix.store(seq.prompt_ids, seq.slot)
         if not done:
             return []
         rows = [seqs[b] for b in done]
@@ -221,14 +233,14 @@ class Engine:
         else:
             if self.pipeline is not None:
                 self.pipeline.interrupt()
-            logits, hidden = self.runner.forward([s.slot for s in seqs], [s.num_cached for s in seqs], feeds,
+            logits, hidden = self.runner.forward([s.kv.row for s in seqs], [s.num_cached for s in seqs], feeds,
                                                  last_only=False, trees=drafts.parents, hidden=True)
             self.planner.ask_ahead(rows, drafts)  # on a GPU the verify pass runs meanwhile
             result = self._acceptance(seqs, logits, drafts)
             if drafts.parents is not None:  # tree rows: the accepted path's K/V moves up behind the root
                 for b, s in enumerate(seqs):
                     if drafts.parents[b] is not None:
-                        keep_path(self.kv, s.slot, s.num_cached, result.paths[b])
+                        keep_path(self.kv, s.kv, s.num_cached, result.paths[b])
             out = result.tokens
             ends = [result.last_fed(b) for b in range(len(seqs))]
             accepted = self._keep_hidden(self._accept(seqs, out, [len(d) for d in drafts.tokens]), hidden, ends)
@@ -281,6 +293,8 @@ class Engine:
                     break
             if seq.finish_reason:
                 self._release(seq, seq.finish_reason)
+            else:
+                self.scheduler.settle(seq)
         return seqs
 
     def _keep_hidden(self, seqs: list[Sequence], hidden: torch.Tensor, ends: list[int] | None = None) -> list[Sequence]:
@@ -335,10 +349,12 @@ class Engine:
         return [results[i] for i in ids]
 
     def stats(self) -> dict:
-        pc = self.kv.prefix.stats if self.kv.prefix else None
-        t = self.totals
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "kv_slots_used": self.kv.slots_used, "kv_slots_total": self.kv.num_slots,
-                "prefix_hit_rate": pc.hit_rate if pc else 0.0,
+        pool, t, sch = self.kv.pool, self.totals, self.scheduler
+        return {"running": len(sch.running), "waiting": len(sch.waiting),
+                "kv_slots_used": self.kv.rows_used, "kv_slots_total": self.kv.max_rows,
+                "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used,
+                "kv_blocks_cached": pool.num_cached_free, "preemptions": sch.preemptions,
+                "prefix_hit_tokens": sch.prefix_hit_tokens, "prefix_queries": pool.stats.queries,
+                "prefix_hits": pool.stats.hits, "prefix_hit_rate": pool.stats.hit_rate,
                 "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else 0.0, **t,
                 **self.planner.counts}

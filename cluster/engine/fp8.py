@@ -2,10 +2,8 @@
 
 Keys and values are stored as e4m3 with one fp32 scale per layer for keys and one for
 values (x ~ x8 * scale), halving the cache's bytes: twice the tokens per GPU and half the
-attention reads at long context. On FA3 the query is quantized too (its fp8 MMA takes both
-operands in e4m3, as vLLM does with FA3) and the kernel applies the three scales as its
-descale factors; SDPA stores keys/values in e4m3 and dequantizes them for a full-precision
-query.
+attention reads at long context. The attention backends store keys/values in e4m3 and dequantize
+them on load for a full-precision query (the triton kernel as it reads each block).
 
 The scales are calibrated once at start-up, like vLLM's `calculate_kv_scales`: one prefill
 of a fixed text records each layer's absolute maxima of q, k and v, and a scale maps that
@@ -56,15 +54,6 @@ def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def quantize_qkv(q, k, v, scale):
-    """q, k, v in e4m3 for FA3; `scale`: the layer's [3, slots, kv_heads] scales."""
-    return quantize(q, scale[0, 0, 0]), quantize(k, scale[1, 0, 0]), quantize(v, scale[2, 0, 0])
-
-
-# torch.compile'd by model.compile_kernels (one fused kernel per layer instead of a dozen)
-KERNELS = {"quantize_qkv": quantize_qkv}
-
-
 class _Observer:
     """Stand-in attention backend for calibration: causal attention over the pass's own
     tokens (one sequence from position 0 needs no cache), recording each layer's amax."""
@@ -83,9 +72,8 @@ class _Observer:
 
 
 @torch.inference_mode()
-def calibrate(model, token_ids: list[int], num_slots: int) -> torch.Tensor:
-    """Scales [layers, 3 (q, k, v), num_slots, kv_heads] fp32, laid out as FA3's descale
-    factors ([batch, kv_heads] per tensor) so a step slices them without a copy."""
+def calibrate(model, token_ids: list[int]) -> torch.Tensor:
+    """Scales [layers, 3 (q, k, v)] fp32, on the host."""
     s, dev = model.shape, next(model.parameters()).device
     ids = torch.tensor([token_ids[: s.max_positions]], device=dev)
     observer, saved = _Observer(), model.backend
@@ -99,7 +87,7 @@ def calibrate(model, token_ids: list[int], num_slots: int) -> torch.Tensor:
     scales = amax.clamp(min=1e-6) / torch.tensor(TARGET_AMAX, device=dev)
     log.info("fp8 KV scales from %d calibration tokens: q %.3g-%.3g, k %.3g-%.3g, v %.3g-%.3g",
              ids.shape[1], *(f(scales[:, j]).item() for j in range(3) for f in (torch.min, torch.max)))
-    return scales[:, :, None, None].expand(-1, -1, num_slots, s.kv_heads).contiguous()
+    return scales.float().cpu()
 
 
 def calibration_tokens(tokenizer) -> list[int]:

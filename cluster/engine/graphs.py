@@ -1,10 +1,13 @@
 """CUDA graphs for the decode, verify and prefill steps (batch buckets x row widths).
 
 A step of B rows of T tokens each (T = gamma + 1; 1 is plain decoding) replays a graph
-captured for (bucket(B), T). Padding rows point at a scratch slot, so they never touch a
-sequence's KV; rows shorter than T write a few positions past their length, which the slot's
-spare capacity absorbs and the next step overwrites. Only the FA3 backend is captured: its
-kernel reads lengths from a tensor, while SDPA slices the cache by a host-side length.
+captured for (bucket(B), T). Its inputs are the tokens and each row's block-table row and
+length: the cache positions are found in the graph through the tables, so nothing but those
+is copied per step. Padding rows use the scratch row (every entry the scratch block), so they
+never touch a sequence's KV; rows shorter than T write a few positions past their length, into
+their own blocks or the scratch block, where nothing reads them (cluster.engine.kv_cache).
+Only backends that read lengths from tensors are captured (not SDPA, which gathers by a
+host-side length).
 
 Prefill chunks wider than a verify row replay graphs of widths in steps of 1.5x up to the
 chunk size, with hidden states only (the caller takes logits at each row's last token: all B*T
@@ -23,26 +26,26 @@ import torch
 from cluster.engine.attention import AttnContext
 
 log = logging.getLogger(__name__)
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256)
 
 
-def _bucket(batch: int) -> int:
+def bucket(batch: int) -> int:
     return next(x for x in BUCKETS if x >= batch)
 
 
 class _Graph:
     def __init__(self, model, kv, batch: int, width: int, pool, num_layers: int | None, logits: bool = True):
         dev = kv.k.device
-        # ids, slots and lens in one buffer: a step's inputs are one copy from pinned memory
+        # ids, rows and lens in one buffer: a step's inputs are one copy from pinned memory
         n = batch * width
         self.host = torch.zeros((n + 2 * batch,), dtype=torch.int64, pin_memory=True)
         self.copied = torch.cuda.Event()  # the last copy out of `host` is done
         self.inputs = torch.zeros((n + 2 * batch,), dtype=torch.int64, device=dev)
         self.ids = self.inputs[:n].view(batch, width)
-        self.slots, self.lens = self.inputs[n:n + batch], self.inputs[n + batch:]
-        self.slots.fill_(kv.num_slots)  # scratch slot
+        self.rows, self.lens = self.inputs[n:n + batch], self.inputs[n + batch:]
+        self.rows.fill_(kv.scratch_row)
         self.graph = torch.cuda.CUDAGraph()
-        run = lambda: model(self.ids, *self._ctx(kv, width), num_layers)  # noqa: E731
+        run = lambda: model(self.ids, *self._ctx(model, kv, width), num_layers)  # noqa: E731
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         head = model.logits if logits else (lambda h: None)
@@ -53,15 +56,15 @@ class _Graph:
             self.hidden = run()  # kept for drafters that read the target's hidden states (Medusa)
             self.out = head(self.hidden)
 
-    def _ctx(self, kv, width: int):
-        ar = torch.arange(width, device=self.ids.device)
-        pos = self.lens[:, None] + ar
-        b = self.ids.shape[0]
-        ctx = AttnContext(self.slots, self.lens, torch.full_like(self.lens, width), pos,
-                          torch.ones((b, width), dtype=torch.bool, device=self.ids.device), width, kv.capacity,
-                          torch.arange(b * width, device=self.ids.device),
-                          self.slots[:, None].expand(b, width).reshape(-1), pos.reshape(-1),
-                          self.slots.to(torch.int32), self.lens.to(torch.int32))
+    def _ctx(self, model, kv, width: int):
+        from cluster.engine.paged_attention import num_splits
+
+        pos = self.lens[:, None] + torch.arange(width, device=self.ids.device)
+        b, s = self.ids.shape[0], model.shape
+        ctx = AttnContext(self.rows, self.lens, torch.full_like(self.lens, width), pos, width, kv.max_tokens,
+                          kv.slots(self.rows, pos).flatten(), None, kv.tables)
+        if width <= 16:  # the context's length is not known at capture: split for the longest
+            ctx.splits = num_splits(b, s.kv_heads, -(-width * (s.heads // s.kv_heads) // 64), kv.max_tokens)
         return pos, kv, ctx
 
 
@@ -90,11 +93,11 @@ class GraphRunner:
         serving: a capture costs up to 50x a replay (~150 ms, 8B shape on an H100), and lazily
         it lands in a step every stream waits on. vLLM captures at start-up for the same reason."""
         t0, before = time.perf_counter(), len(self.graphs)
-        for bucket in BUCKETS[:BUCKETS.index(_bucket(min(max_batch, BUCKETS[-1]))) + 1]:
+        for bk in BUCKETS[:BUCKETS.index(bucket(min(max_batch, BUCKETS[-1]))) + 1]:
             for width in [*range(1, self.max_width + 1), *self.prefill_widths]:
-                key = (bucket, width, None)
-                if key not in self.graphs and (width <= self.max_width or bucket * width <= self.max_tokens):
-                    self.graphs[key] = _Graph(self.model, self.kv, bucket, width, self.pool, None,
+                key = (bk, width, None)
+                if key not in self.graphs and (width <= self.max_width or bk * width <= self.max_tokens):
+                    self.graphs[key] = _Graph(self.model, self.kv, bk, width, self.pool, None,
                                               logits=width <= self.max_width)
         torch.cuda.synchronize()
         log.info("captured %d CUDA graphs (batch up to %d) in %.1f s", len(self.graphs) - before, max_batch,
@@ -108,7 +111,7 @@ class GraphRunner:
         if width <= self.max_width:
             return True
         w = self._width(width)
-        return last_only and w is not None and _bucket(batch) * w <= self.max_tokens
+        return last_only and w is not None and bucket(batch) * w <= self.max_tokens
 
     def _width(self, width: int) -> int | None:
         if width <= self.max_width:
@@ -116,46 +119,46 @@ class GraphRunner:
         return next((w for w in self.prefill_widths if w >= width), None)
 
     @torch.inference_mode()
-    def forward(self, slots: list[int], cache_lens: list[int], tokens: list[list[int]],
+    def forward(self, rows: list[int], cache_lens: list[int], tokens: list[list[int]],
                 num_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """[B, T, V] logits and [B, T, D] hidden states (static buffers: read them before the
         next replay); T = the longest row (a prefill width: its graph's T, and logits None).
         `num_layers` < all: an early-exit pass."""
         b, width = len(tokens), self._width(max(map(len, tokens)))
-        g = self._prepare(slots, cache_lens, tokens, width, num_layers)
+        g = self._prepare(rows, cache_lens, tokens, width, num_layers)
         g.graph.replay()
         if width <= self.max_width:  # a prefill pass between pipelined decode steps keeps `last`
             self.last = (g, b) if width == 1 and num_layers is None else None
         return (None if g.out is None else g.out[:b]), g.hidden[:b]
 
     @torch.inference_mode()
-    def decode(self, slots: list[int], cache_lens: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    def decode(self, rows: list[int], cache_lens: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """A one-token step whose tokens ([B] int64) are already on the device: [B, V] logits
         (a static buffer), with no host round trip. Leaves `last` alone (a drafter's chain)."""
-        b = len(slots)
-        g = self._prepare(slots, cache_lens, [()] * b, 1, None)
+        b = len(rows)
+        g = self._prepare(rows, cache_lens, [()] * b, 1, None)
         g.ids[:b, 0].copy_(tokens)
         g.graph.replay()
         return g.out[:b, 0]
 
-    def _prepare(self, slots, cache_lens, tokens, width: int, num_layers: int | None) -> _Graph:
-        """The graph for this step, its inputs copied in (rows' tokens, slots, lengths)."""
-        b, bucket = len(tokens), _bucket(len(tokens))
-        key = (bucket, width, num_layers)
+    def _prepare(self, rows, cache_lens, tokens, width: int, num_layers: int | None) -> _Graph:
+        """The graph for this step, its inputs copied in (rows' tokens, table rows, lengths)."""
+        b, bk = len(tokens), bucket(len(tokens))
+        key = (bk, width, num_layers)
         g = self.graphs.get(key)
         if g is None:
-            log.info("capturing CUDA graph for batch %d x width %d (layers %s)", bucket, width, num_layers or "all")
-            g = self.graphs[key] = _Graph(self.model, self.kv, bucket, width, self.pool, num_layers,
+            log.info("capturing CUDA graph for batch %d x width %d (layers %s)", bk, width, num_layers or "all")
+            g = self.graphs[key] = _Graph(self.model, self.kv, bk, width, self.pool, num_layers,
                                           logits=width <= self.max_width)
         g.copied.synchronize()
         host = g.host.numpy()
-        n = bucket * width
+        n = bk * width
         host[:] = 0
-        host[n:n + bucket] = self.kv.num_slots  # padding rows: the scratch slot
+        host[n:n + bk] = self.kv.scratch_row  # padding rows
         for i, t in enumerate(tokens):
             host[i * width: i * width + len(t)] = t
-        host[n:n + b] = slots
-        host[n + bucket:n + bucket + b] = cache_lens
+        host[n:n + b] = rows
+        host[n + bk:n + bk + b] = cache_lens
         g.inputs.copy_(g.host, non_blocking=True)
         g.copied.record()
         return g

@@ -1,150 +1,143 @@
-"""KV cache: per-sequence slots, plus a prefix cache of whole prompt blocks.
+"""Paged KV cache: one pool of fixed-size blocks, a block table per sequence.
 
-A slot is one sequence's contiguous KV (`capacity` positions). Rolling back rejected draft
-tokens is O(1): the sequence's cached length simply moves back, and later writes overwrite.
+Keys and values live in `[layers, blocks + 1, block_size, kv_heads, head_dim]`; a sequence's
+token at position p sits in block `table[p // block_size]` at offset `p % block_size`. The
+tables of all live sequences are rows of one device tensor (`tables`), so attention kernels
+and CUDA graphs find any sequence's keys from its row index alone, and a step copies nothing
+but its rows' indices and lengths. Block accounting (allocation, prefix sharing by the block
+hash, LRU eviction of cached blocks) is cluster.engine.block_pool.
 
-The prefix cache keeps copies of full prompt blocks in a pool, named by the chained block
-hash (cluster.engine.hashing). A hit is copied into the new sequence's slot. Every hit is
-checked token by token, so a hash collision or stale directory entry can never serve wrong KV.
+The last block is scratch: unallocated table entries and padding rows point at it, so the
+writes of padded positions (CUDA graph rows, rows shorter than their step's width) land
+there and never in another sequence's blocks. No real query reads a position past its own
+tokens, so nothing reads the scratch block.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from cluster.engine.hashing import block_hashes
+from cluster.engine.block_pool import BlockPool, BlockTable
 
 
 @dataclass
-class PrefixStats:
-    queries: int = 0        # prompt blocks looked up
-    hits: int = 0           # prompt blocks served from the pool
-    stored: int = 0
-    evicted: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
+class KVHandle:
+    """What one sequence (or a drafter's copy of one) holds in a cache."""
+    row: int
+    table: BlockTable = field(default_factory=BlockTable)
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_slots: int, capacity: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device, block_size: int = 16, prefix_blocks: int = 0, seed: int = 0):
-        # one extra physical slot: scratch space for padding rows of captured CUDA graphs
-        shape = (num_layers, num_slots + 1, capacity, kv_heads, head_dim)
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device, max_rows: int, max_tokens: int, seed: int = 0,
+                 prefix_caching: bool = True):
+        """max_rows: sequences held at once; max_tokens: positions a row can address (its
+        table's width in tokens, spare positions for padded writes included)."""
+        shape = (num_layers, num_blocks + 1, block_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.capacity = capacity
-        self.num_slots = num_slots
-        # fp8 caches: [layers, 3 (q, k, v), num_slots + 1, kv_heads] fp32 scales (cluster.engine.fp8)
+        self.block_size, self.scratch_block = block_size, num_blocks
+        self.pool = BlockPool(num_blocks, block_size, seed, prefix_caching)
+        self.max_blocks = -(-max_tokens // block_size)
+        self.max_tokens = self.max_blocks * block_size
+        self.max_rows = max_rows
+        self.tables = torch.full((max_rows + 1, self.max_blocks), num_blocks, dtype=torch.int32, device=device)
+        self.scratch_row = max_rows
+        self.free_rows = list(range(max_rows - 1, -1, -1))
+        # (row, column) -> block, not yet on the device; the latest change of an entry wins
+        self._updates: dict[tuple[int, int], int] = {}
+        # fp8 caches: [layers, 3 (q, k, v)] fp32 scales on the host (cluster.engine.fp8): 0-d
+        # host tensors act as numbers in device arithmetic, and kernels take them as constants
         self.scales: torch.Tensor | None = None
-        self.free_slots = list(range(num_slots - 1, -1, -1))
-        self.block_size = block_size
-        self.seed = seed
-        self.prefix = PrefixPool(self, prefix_blocks) if prefix_blocks else None
+        self.handles: list[KVHandle] = []  # a dense cache's rows (KVCache.dense)
+
+    @classmethod
+    def dense(cls, num_layers: int, num_rows: int, max_tokens: int, kv_heads: int, head_dim: int,
+              dtype: torch.dtype, device, block_size: int = 16) -> "KVCache":
+        """Rows 0 .. num_rows-1, each holding blocks for `max_tokens` positions from the start:
+        for callers that address fixed sequences (training, checks) rather than schedule them."""
+        per_row = -(-max_tokens // block_size)
+        kv = cls(num_layers, num_rows * per_row, block_size, kv_heads, head_dim, dtype, device, num_rows, max_tokens,
+                 prefix_caching=False)
+        kv.handles = [kv.open() for _ in range(num_rows)]
+        for h in kv.handles:
+            kv.grow(h, max_tokens)
+        kv.sync()
+        return kv
 
     @property
-    def slots_used(self) -> int:
-        return self.num_slots - len(self.free_slots)
+    def rows_used(self) -> int:
+        return self.max_rows - len(self.free_rows)
 
-    def allocate(self) -> int | None:
-        return self.free_slots.pop() if self.free_slots else None
+    def held(self) -> tuple[int, int]:
+        """(rows, blocks) held by live sequences: (0, 0) once every sequence has ended."""
+        return self.rows_used, self.pool.num_used
 
-    def free(self, slot: int) -> None:
-        assert slot not in self.free_slots, f"double free of slot {slot}"
-        self.free_slots.append(slot)
+    # ---- sequences -----------------------------------------------------------------------
+    def open(self) -> KVHandle | None:
+        """A row for a new sequence (no blocks yet); None when every row is taken."""
+        return KVHandle(self.free_rows.pop()) if self.free_rows else None
 
-    def hashes(self, tokens: list[int]) -> list[int]:
-        return block_hashes(tokens, self.block_size, self.seed)
+    def match_prefix(self, h: KVHandle, tokens: list[int]) -> int:
+        """Share the cached blocks that start `tokens`; returns the tokens they hold."""
+        n = self.pool.match_prefix(h.table, tokens)
+        self._set(h, 0)
+        return n
+
+    def blocks_needed(self, h: KVHandle, num_tokens: int) -> int:
+        return self.pool.can_grow(h.table, min(num_tokens, self.max_tokens))
+
+    def grow(self, h: KVHandle, num_tokens: int) -> None:
+        """Blocks for the first `num_tokens` positions (OutOfBlocks if the pool lacks them)."""
+        start = len(h.table.blocks)
+        self.pool.grow(h.table, min(num_tokens, self.max_tokens))
+        self._set(h, start)
+
+    def shrink(self, h: KVHandle, num_tokens: int) -> None:
+        """Give back blocks past the first `num_tokens` positions."""
+        before = len(h.table.blocks)
+        self.pool.shrink(h.table, num_tokens)
+        self._reset(h.row, len(h.table.blocks), before)
+
+    def commit(self, h: KVHandle, tokens: list[int], num_final: int) -> None:
+        self.pool.commit(h.table, tokens, num_final)
+
+    def close(self, h: KVHandle) -> None:
+        """Release the sequence's blocks (cached ones stay reusable) and its row."""
+        n = len(h.table.blocks)
+        self.pool.release(h.table)
+        self._reset(h.row, 0, n)
+        assert h.row not in self.free_rows, f"row {h.row} closed twice"
+        self.free_rows.append(h.row)
+
+    # ---- device side ---------------------------------------------------------------------
+    def sync(self) -> None:
+        """Apply the table changes since the last step to the device tensor (one copy)."""
+        if self._updates:
+            (r, c), b = zip(*self._updates), list(self._updates.values())
+            self._updates.clear()
+            t = lambda xs, dt: torch.tensor(xs, dtype=dt).to(self.tables.device, non_blocking=True)  # noqa: E731
+            self.tables[t(r, torch.int64), t(c, torch.int64)] = t(b, torch.int32)
+
+    def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat cache index (block * block_size + offset) of each position [B, T] of each row [B]."""
+        bs = self.block_size
+        col = (positions // bs).clamp(max=self.max_blocks - 1)
+        return self.tables[rows[:, None], col].long() * bs + positions % bs
+
+    def host_slots(self, h: KVHandle, positions: list[int]) -> list[int]:
+        bs = self.block_size
+        return [h.table.blocks[p // bs] * bs + p % bs for p in positions]
+
+    def _set(self, h: KVHandle, start: int) -> None:
+        self._updates.update({(h.row, i): b for i, b in enumerate(h.table.blocks[start:], start)})
+
+    def _reset(self, row: int, start: int, end: int) -> None:
+        self._updates.update({(row, i): self.scratch_block for i in range(start, end)})
 
 
-@dataclass
-class _Block:
-    index: int
-    tokens: tuple[int, ...]
-
-
-class PrefixPool:
-    """LRU pool of full prompt blocks; `on_change(stored, evicted)` feeds the KV directory."""
-
-    def __init__(self, cache: KVCache, num_blocks: int):
-        c = cache
-        shape = (c.k.shape[0], num_blocks, c.block_size, c.k.shape[3], c.k.shape[4])
-        self.k = torch.zeros(shape, dtype=c.k.dtype, device=c.k.device)
-        self.v = torch.zeros(shape, dtype=c.v.dtype, device=c.v.device)
-        self.cache = cache
-        self.free = list(range(num_blocks))
-        self.blocks: OrderedDict[int, _Block] = OrderedDict()  # hash -> block, LRU order
-        self.stats = PrefixStats()
-        self.on_change: Callable[[list[int], list[int]], None] | None = None
-        self.lock = threading.Lock()
-
-    def hashes(self) -> list[int]:
-        """All cached block hashes; safe to call from another thread (the KV directory publisher)."""
-        with self.lock:
-            return list(self.blocks)
-
-    def _touch(self, hashes: list[int]) -> None:
-        """Mark a chain used, deepest first, so LRU evicts a chain from its tail: a prompt's
-        first blocks (shared most widely, and needed before any later block can hit) go last."""
-        with self.lock:
-            for h in reversed(hashes):
-                self.blocks.move_to_end(h)
-
-    def load(self, tokens: list[int], slot: int) -> int:
-        """Copy the longest cached prefix of `tokens` into `slot`; returns tokens loaded."""
-        bs = self.cache.block_size
-        hashes = self.cache.hashes(tokens)
-        self.stats.queries += len(hashes)
-        hit, hit_hashes = [], []
-        for i, h in enumerate(hashes):
-            b = self.blocks.get(h)
-            if b is None or b.tokens != tuple(tokens[i * bs:(i + 1) * bs]):
-                break
-            hit.append(b.index)
-            hit_hashes.append(h)
-        self._touch(hit_hashes)
-        if hit:
-            idx = torch.tensor(hit, device=self.k.device)
-            n = len(hit) * bs
-            L, _, _, H, D = self.k.shape
-            self.cache.k[:, slot, :n] = self.k[:, idx].reshape(L, n, H, D)
-            self.cache.v[:, slot, :n] = self.v[:, idx].reshape(L, n, H, D)
-        self.stats.hits += len(hit)
-        return len(hit) * bs
-
-    def store(self, tokens: list[int], slot: int) -> None:
-        """Copy the full prompt blocks of a prefilled slot into the pool (LRU eviction)."""
-        bs = self.cache.block_size
-        stored, evicted = [], []
-        hashes = self.cache.hashes(tokens)
-        self._touch([h for h in hashes if h in self.blocks])  # this prompt's blocks evict last
-        for i, h in enumerate(hashes):
-            if h in self.blocks:
-                continue
-            if not self.free:
-                if not self.blocks:
-                    break
-                with self.lock:
-                    old, blk = self.blocks.popitem(last=False)
-                self.free.append(blk.index)
-                if old in stored:  # pool smaller than this prompt: it evicts its own blocks
-                    stored.remove(old)
-                else:
-                    evicted.append(old)
-            index = self.free.pop()
-            self.k[:, index] = self.cache.k[:, slot, i * bs:(i + 1) * bs]
-            self.v[:, index] = self.cache.v[:, slot, i * bs:(i + 1) * bs]
-            with self.lock:
-                self.blocks[h] = _Block(index, tuple(tokens[i * bs:(i + 1) * bs]))
-            stored.append(h)
-        self._touch([h for h in hashes if h in self.blocks])
-        self.stats.stored += len(stored)
-        self.stats.evicted += len(evicted)
-        if self.on_change and (stored or evicted):
-            self.on_change(stored, evicted)
+def block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of one block's keys and values over all layers."""
+    return 2 * num_layers * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -94,9 +94,7 @@ def compile_kernels() -> None:
         return
     for name in ("rope", "rms_norm", "silu_mul"):
         KERNELS[name] = torch.compile(KERNELS[name], dynamic=True)
-    from cluster.engine import fp8, gemv
-
-    fp8.KERNELS["quantize_qkv"] = torch.compile(fp8.quantize_qkv, dynamic=True)
+    from cluster.engine import gemv
 
     def gpu_linear(x, w, bias=None, norm=None, eps=0.0, silu=False, residual=None):
         if x.is_cuda and gemv.supported(x.numel() // x.shape[-1], *w.shape):

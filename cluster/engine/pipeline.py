@@ -26,7 +26,7 @@ from cluster.engine.sequence import Sequence
 
 @dataclass
 class _Ahead:
-    key: tuple          # (seq_id, slot, cache length) per row the launch assumed
+    key: tuple          # (seq_id, table row, cache length) per row the launch assumed
     tokens: torch.Tensor  # [B] int64 on the device: that step's greedy tokens
 
 
@@ -53,12 +53,12 @@ class DecodePipeline:
         """One greedy token per row (each row fed its last token): [[t], ...]. `launch_next`:
         start the following step now (False where a row ends here by length)."""
         b = len(seqs)
-        key = tuple((s.seq_id, s.slot, s.num_cached) for s in seqs)
+        key = tuple((s.seq_id, s.kv.row, s.num_cached) for s in seqs)
         self.hit = self.ahead is not None and self.ahead.key == key  # this step was launched ahead
         if self.hit:
             tokens, self.hits = self.ahead.tokens, self.hits + 1
         else:
-            logits, _ = self.graphs.forward([s.slot for s in seqs], [s.num_cached for s in seqs],
+            logits, _ = self.graphs.forward([s.kv.row for s in seqs], [s.num_cached for s in seqs],
                                             [[s.token_ids[-1]] for s in seqs])
             tokens = logits[:, 0].argmax(-1)
         self.ahead = None
@@ -69,7 +69,7 @@ class DecodePipeline:
         self.streak += 1
         if launch_next and self.streak > 1:  # EOS and stop strings are not known yet: a finished row drops it
             logits = self.graphs.replay_next(tokens)
-            self.ahead = _Ahead(tuple((s.seq_id, s.slot, s.num_cached + 1) for s in seqs),
+            self.ahead = _Ahead(tuple((s.seq_id, s.kv.row, s.num_cached + 1) for s in seqs),
                                 logits[:, 0].argmax(-1))
         if self.copied is not None:
             self.copied.synchronize()

@@ -1,4 +1,5 @@
-"""Runs one padded forward pass over a batch of slots; target and draft model share it."""
+"""Runs one padded forward pass over a batch of sequences (block-table rows of a paged KV
+cache); target and draft model share it."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class Runner:
         if model.backend is None:
             model.backend = make_backend(attention, p.device, p.dtype)
         self.graphs = None
-        if graph_width and model.backend.name == "fa3":  # decode/verify steps up to this width
+        if graph_width and model.backend.graphs:  # decode/verify steps up to this width
             from cluster.engine.graphs import GraphRunner
 
             self.graphs = GraphRunner(model, kv, graph_width, prefill_chunk, max_tokens, dense_to)
@@ -31,10 +32,11 @@ class Runner:
         return w or width
 
     @torch.inference_mode()
-    def forward(self, slots: list[int], cache_lens: list[int], tokens: list[list[int]],
+    def forward(self, rows: list[int], cache_lens: list[int], tokens: list[list[int]],
                 last_only: bool, num_layers: int | None = None, trees: list[list[int] | None] | None = None,
                 hidden: bool = False):
-        """Append `tokens[b]` to slot `slots[b]` (after `cache_lens[b]` cached tokens).
+        """Append `tokens[b]` to the sequence in table row `rows[b]` (after `cache_lens[b]`
+        cached tokens; its blocks must hold them).
 
         Returns fp32 logits: [B, V] for each row's last token, or [B, T, V] for every
         (padded) position when `last_only` is False; with `hidden`, (logits, hidden states)
@@ -43,18 +45,20 @@ class Runner:
         """
         q_lens = [len(t) for t in tokens]
         tree = trees is not None and any(t is not None for t in trees)
+        self.kv.sync()
         if self.graphs is not None and not tree and self.graphs.eligible(len(tokens), max(q_lens), last_only):
-            logits, h = self.graphs.forward(slots, cache_lens, tokens, num_layers)
+            logits, h = self.graphs.forward(rows, cache_lens, tokens, num_layers)
             if last_only:
                 last = torch.arange(len(tokens), device=self.device), device_ints(q_lens, self.device) - 1
                 h = h[last]
                 logits = self.model.logits(h) if logits is None else logits[last]  # None: a prefill graph
             return (logits, h) if hidden else logits
-        ctx = AttnContext.build(slots, cache_lens, q_lens, self.device)
-        if tree:
+        ctx = AttnContext.build(self.kv, rows, cache_lens, q_lens, self.device)
+        ctx.splits = self._splits(len(rows), ctx.width, ctx.max_kv)
+        if tree:  # rotary positions by depth; the keys are still written at flat positions
             depth, ctx.tree_mask = tree_layout(trees, ctx.width, self.device)
             ctx.positions = ctx.cache_lens[:, None] + depth
-        assert ctx.max_kv <= self.kv.capacity, "slot capacity exceeded"
+        assert ctx.max_kv <= self.kv.max_tokens, "past the block table's width"
         ids = torch.zeros((len(tokens), ctx.width), dtype=torch.int64)
         for b, t in enumerate(tokens):
             ids[b, : len(t)] = torch.tensor(t)
@@ -63,13 +67,25 @@ class Runner:
             h = h[torch.arange(len(tokens), device=self.device), ctx.q_lens - 1]
         return (self.model.logits(h), h) if hidden else self.model.logits(h)
 
+    def _splits(self, batch: int, width: int, max_kv: int) -> int:
+        """Key splits per row for the paged triton kernel (flash-decoding); 1 for prefill."""
+        if self.model.backend.name != "triton" or width > 16:
+            return 1
+        from cluster.engine.paged_attention import num_splits
+
+        s = self.model.shape
+        tiles = -(-width * (s.heads // s.kv_heads) // 64)
+        return num_splits(batch, s.kv_heads, tiles, max_kv)
+
     @torch.inference_mode()
-    def decode(self, slots: list[int], cache_lens: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    def decode(self, rows: list[int], cache_lens: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """One token a row whose ids ([B] int64) are already on the device, as a drafter's
         greedy chain feeds its own argmax back: fp32 logits [B, V], no host round trip."""
-        if self.graphs is not None and self.graphs.eligible(len(slots), 1):
-            return self.graphs.decode(slots, cache_lens, tokens)
-        ctx = AttnContext.build(slots, cache_lens, [1] * len(slots), self.device)
+        self.kv.sync()
+        if self.graphs is not None and self.graphs.eligible(len(rows), 1):
+            return self.graphs.decode(rows, cache_lens, tokens)
+        ctx = AttnContext.build(self.kv, rows, cache_lens, [1] * len(rows), self.device)
+        ctx.splits = self._splits(len(rows), 1, ctx.max_kv)
         h = self.model(tokens[:, None], ctx.positions, self.kv, ctx)
         return self.model.logits(h[:, 0])
 
@@ -77,13 +93,12 @@ class Runner:
     def warm_up(self) -> None:
         """Run every kernel variant a step can need once, before serving: dynamo specialises
         the compiled pieces on sizes 0 and 1 of each dimension, and Triton tunes the GEMV per
-        weight shape, seconds each on first use (5-22 s a GEMV shape on an H100; tuned lazily,
-        single-stream draft calls took 3.6 and 10.4 s, and every stream waits on such a step).
+        weight shape, seconds each on first use, and every stream waits on such a step.
         Eager passes (graphs are captured from the same pieces) of 1 and 2 rows of 1 and 2
-        tokens, all logits or the last row's, on the scratch slot; then every CUDA graph of up
+        tokens, all logits or the last row's, on the scratch row; then every CUDA graph of up
         to a full batch (GraphRunner.capture_all)."""
         graphs, self.graphs = self.graphs, None
-        scratch = self.kv.num_slots
+        scratch = self.kv.scratch_row
         try:
             for b in (1, 2):
                 for t in (1, 2):
@@ -92,7 +107,7 @@ class Runner:
         finally:
             self.graphs = graphs
         if graphs is not None:
-            graphs.capture_all(self.kv.num_slots)
+            graphs.capture_all(self.kv.max_rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 

@@ -1,14 +1,23 @@
-"""Admission, slots and the choice of what runs next.
+"""Admission, KV blocks and the choice of what runs next.
 
 Prefill chunks go first (they bound time to first token); otherwise every running sequence
 takes one verify row of gamma+1 tokens. A step is measured in verify tokens (sum of gamma+1
 over rows plus prefill tokens) under `max_batch_tokens`: that is speculation-aware batching,
 so a batch with long drafts holds fewer sequences than one decoding plainly.
+
+Blocks are taken as tokens arrive: before a step each row's table grows to hold what the
+step writes (its chunk, or gamma+1 tokens plus one spare for a decode step launched ahead),
+and after it shrinks back to what the accepted tokens need, so rejected drafts give their
+blocks back. When the pool runs dry the newest running sequence is preempted: its blocks go
+back (its full blocks stay cached, so coming back often costs little) and it waits at the
+head of the queue to be recomputed. Its tokens so far are kept, so preemption never changes
+what it emits.
 """
 
 from __future__ import annotations
 
 from collections import deque
+
 from cluster.engine.config import EngineConfig
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.sequence import Sequence, Status
@@ -24,6 +33,8 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.preemptions = 0
+        self.prefix_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
         if len(self.waiting) >= self.cfg.max_waiting:
@@ -35,38 +46,75 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
-        if seq.slot is not None:
-            self.kv.free(seq.slot)
-            seq.slot = None
+        self._free(seq)
         seq.status = Status.FINISHED
 
+    def _free(self, seq: Sequence) -> None:
+        if seq.kv is not None:
+            self.kv.close(seq.kv)
+            seq.kv = None
+
+    def preempt(self, seq: Sequence) -> None:
+        """Give the sequence's blocks back; it is recomputed when blocks allow."""
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_cached = 0
+        seq.status = Status.WAITING
+        seq.stats.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow seq's blocks to `num_tokens` positions, preempting running sequences newer
+        than it, newest first, as needed. False: not even that frees enough."""
+        while self.kv.blocks_needed(seq.kv, num_tokens) > self.kv.pool.num_free:
+            newer = self.running[self.running.index(seq) + 1:]
+            if not newer:
+                return False
+            self.preempt(newer[-1])
+        self.kv.grow(seq.kv, num_tokens)
+        return True
+
     def _admit(self) -> None:
-        while self.waiting and self.kv.free_slots:
-            seq = self.waiting.popleft()
-            seq.slot = self.kv.allocate()
-            seq.status = Status.RUNNING
-            if self.kv.prefix is not None:
-                loaded = self.kv.prefix.load(seq.prompt_ids, seq.slot)
-                seq.num_cached = min(loaded, seq.num_prompt - 1)  # recompute >= 1 token for logits
-                seq.stats.prefix_hit_tokens = seq.num_cached
+        """Waiting sequences take a row and their cached prefix while the batch has room and
+        the pool has blocks for their first chunk (admission never preempts)."""
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            h = self.kv.open()
+            if h is None:
+                return
+            hit = self.kv.match_prefix(h, seq.token_ids)
+            first = min(hit + self.cfg.prefill_chunk, seq.prefill_target) + 1
+            if self.kv.blocks_needed(h, first) > self.kv.pool.num_free:
+                self.kv.close(h)
+                return
+            self.waiting.popleft()
+            seq.kv, seq.num_cached, seq.status = h, hit, Status.RUNNING
+            if not seq.output_ids:  # a first admission, not a return from preemption
+                seq.stats.prefix_hit_tokens = hit
+                self.prefix_hit_tokens += hit
             self.running.append(seq)
 
     def schedule_prefill(self) -> list[tuple[Sequence, int]]:
         """(sequence, chunk length) for sequences still catching up on their prompt."""
         self._admit()
         budget, out = self.cfg.max_batch_tokens, []
-        for seq in self.running:
-            if seq.prefilled:
+        for seq in list(self.running):
+            if seq.prefilled or seq not in self.running:  # preempted for an earlier chunk
                 continue
-            n = min(self.cfg.prefill_chunk, seq.num_prompt - seq.num_cached, budget)
+            n = min(self.cfg.prefill_chunk, seq.prefill_target - seq.num_cached, budget)
             if n <= 0:
+                break
+            # the chunk and the token sampled after it (a fresh prompt's first output)
+            if not self._room(seq, seq.num_cached + n + 1):
                 break
             out.append((seq, n))
             budget -= n
-        return out
+        return [(s, n) for s, n in out if s in self.running]
 
     def schedule_verify(self, gammas: dict[str, int]) -> list[tuple[Sequence, int]]:
-        """(sequence, gamma) rows whose gamma+1 tokens fit the budget; gammas shrink first."""
+        """(sequence, gamma) rows whose gamma+1 tokens fit the budget (gammas shrink to fit
+        it) and the pool (the newest sequences are preempted to fit it)."""
         rows = [s for s in self.running if s.prefilled]
         budget = self.cfg.max_batch_tokens
         if len(rows) > budget:  # more sequences than tokens: plain decoding for a budget's worth
@@ -77,9 +125,27 @@ class Scheduler:
             cap = max(0, budget // len(rows) - 1)
         out = []
         for s in rows:
+            if s not in self.running:  # preempted to make room for an older row
+                continue
             g = gammas[s.seq_id] if cap is None else min(cap, gammas[s.seq_id])
+            # g + 1 positions written, and one spare for a plain step launched ahead. Short of
+            # blocks, newer sequences make way, then this one: gamma never shrinks for memory,
+            # so a seeded request's draws do not depend on the pool
+            if not self._room(s, s.num_cached + max(g + 1, 2)):
+                self.preempt(s)
+                continue
             out.append((s, g))
+        out = [(s, g) for s, g in out if s in self.running]
         # rotate so a budget-limited subset does not starve the tail
-        if len(rows) < len([s for s in self.running if s.prefilled]):
-            self.running = self.running[len(rows):] + self.running[:len(rows)]
+        live = [s for s in self.running if s.prefilled]
+        if len(out) < len(live):
+            done = {s.seq_id for s, _ in out}
+            self.running = [s for s in self.running if s.seq_id not in done] + [s for s, _ in out]
         return out
+
+    def settle(self, seq: Sequence) -> None:
+        """After a step: name the blocks that are now final, give back what drafts held."""
+        if seq.kv is None:
+            return
+        self.kv.commit(seq.kv, seq.token_ids, seq.num_cached)
+        self.kv.shrink(seq.kv, len(seq.token_ids) + 1)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.engine.kv_cache import KVHandle
 from cluster.engine.sampling import SamplingParams
 
 
@@ -32,6 +33,7 @@ class SeqStats:
     last_gamma: int = 0
     proposed_per_pos: list[int] = field(default_factory=list)
     accepted_per_pos: list[int] = field(default_factory=list)
+    preemptions: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)  # one per step that emitted tokens
@@ -81,8 +83,8 @@ class Sequence:
     drafter: str | None = None       # None: the engine's default drafter
     token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    slot: int | None = None
-    num_cached: int = 0              # tokens whose KV is in the slot
+    kv: KVHandle | None = None       # its row and blocks in the target's KV cache, while it holds them
+    num_cached: int = 0              # tokens whose KV is in the cache
     finish_reason: str | None = None
     sent_tokens: int = 0             # output tokens already streamed
     generator: torch.Generator | None = None
@@ -103,8 +105,15 @@ class Sequence:
         return self.token_ids[self.num_prompt:]
 
     @property
+    def prefill_target(self) -> int:
+        """Tokens to compute before verify steps: the whole prompt (its last position gives the
+        first token), or, recomputing after preemption, all but the last token (which the next
+        verify step feeds, as it would have without the preemption)."""
+        return len(self.token_ids) - 1 if self.output_ids else self.num_prompt
+
+    @property
     def prefilled(self) -> bool:
-        return self.num_cached >= self.num_prompt
+        return self.num_cached >= self.prefill_target
 
     @property
     def finished(self) -> bool:

@@ -47,12 +47,13 @@ def tree_layout(trees: list[list[int] | None], width: int, device) -> tuple[torc
     return depth.to(device), mask.to(device)
 
 
-def keep_path(kv, slot: int, cache_len: int, path: list[int]) -> None:
+def keep_path(kv, handle, cache_len: int, path: list[int]) -> None:
     """Move the accepted nodes' K/V from feed index i + 1 to consecutive positions."""
     if path == list(range(len(path))):  # already in place (a chain, or the first branch)
         return
     dev = kv.k.device
-    src = torch.tensor([cache_len + 1 + i for i in path], device=dev)
-    dst = torch.arange(cache_len + 1, cache_len + 1 + len(path), device=dev)
-    kv.k[:, slot, dst] = kv.k[:, slot, src]  # the gather is materialised before the write
-    kv.v[:, slot, dst] = kv.v[:, slot, src]
+    src = torch.tensor(kv.host_slots(handle, [cache_len + 1 + i for i in path]), device=dev)
+    dst = torch.tensor(kv.host_slots(handle, list(range(cache_len + 1, cache_len + 1 + len(path)))), device=dev)
+    for cache in (kv.k, kv.v):
+        flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
+        flat[:, dst] = flat[:, src]  # the gather is materialised before the write

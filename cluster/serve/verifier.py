@@ -57,8 +57,8 @@ class Verifier:
 
     def _make_publisher(self, cfg):
         """Publish this replica's prefix blocks to the KV directory the router reads."""
-        pool = self.engine.kv.prefix
-        if not cfg.kvdir.url or pool is None:
+        pool = self.engine.kv.pool
+        if not cfg.kvdir.url or not pool.prefix_caching:
             return None
         from cluster.kvdir import BlockPublisher, make_directory
 
@@ -100,8 +100,7 @@ class Verifier:
                 last = now
                 finished = out.finished
                 if finished:
-                    pc = self.engine.kv.prefix
-                    self.metrics.finished(out.stats["timing"], itl, pc.stats.hit_rate if pc else 0.0)
+                    self.metrics.finished(out.stats["timing"], itl, self.engine.kv.pool.stats.hit_rate)
                     self.figures.finished(out.stats["timing"]["ttft_ms"], itl)
                     out.replica = self.replica_id  # the Router reports it (GenerateResponse.replica)
                 yield out
@@ -112,9 +111,6 @@ class Verifier:
     def stats(self) -> dict:
         with self.loop.lock:
             s = self.engine.stats()
-            pc = self.engine.kv.prefix
-            if pc is not None:  # counts, so a benchmark can take the hit rate of one phase
-                s.update(prefix_queries=pc.stats.queries, prefix_hits=pc.stats.hits)
         ctrl = self.engine.controller
         s.update(replica=self.replica_id, node_id=self.node_id, gamma=ctrl.snapshot().get("gamma", 0) if ctrl else self.engine.cfg.gamma,
                  verify_tokens=int(self.load.report("stats").get("verify_tokens", 0.0)), **self.figures.snapshot())

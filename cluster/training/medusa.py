@@ -66,9 +66,9 @@ def continuations(model, prompts: list[list[int]], new: int, temperature: float,
         chunk = prompts[i:i + batch]
         P, B = len(chunk[0]), len(chunk)
         p = next(model.parameters())  # the model's device: the GPU where there is one
-        kv = KVCache(s.layers, B, P + new + 1, s.kv_heads, s.head_dim, p.dtype, p.device)
-        runner, slots = Runner(model, kv, "sdpa"), list(range(B))
-        logits, h = runner.forward(slots, [0] * B, chunk, last_only=True, hidden=True)
+        kv = KVCache.dense(s.layers, B, P + new + 1, s.kv_heads, s.head_dim, p.dtype, p.device)
+        runner, rows = Runner(model, kv, "sdpa"), list(range(B))
+        logits, h = runner.forward(rows, [0] * B, chunk, last_only=True, hidden=True)
         h_steps, y_steps = [], []
         for step in range(new):
             if temperature > 0:
@@ -80,7 +80,7 @@ def continuations(model, prompts: list[list[int]], new: int, temperature: float,
             y_steps.append(tok)
             bar.update(B)
             if step + 1 < new:
-                logits, h = runner.forward(slots, [P + step] * B, tok[:, None].tolist(), last_only=True, hidden=True)
+                logits, h = runner.forward(rows, [P + step] * B, tok[:, None].tolist(), last_only=True, hidden=True)
         hs.append(torch.stack(h_steps, 1).cpu())
         ys.append(torch.stack(y_steps, 1).cpu())
     bar.close()

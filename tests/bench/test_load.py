@@ -26,7 +26,7 @@ def test_run_engine_keeps_concurrency_and_summarises(demo_pair):
     s = summarise(res, wall)
     assert s["requests"] == 3 and all(len(r["token_ids"]) == 12 for r in res)
     assert s["tokens_per_s"] > 0 and 0 <= s["acceptance_rate"] <= 1 and s["mean_accepted_len"] >= 1
-    assert engine.kv.slots_used == 0
+    assert engine.kv.held() == (0, 0)
 
 
 def test_bench_cli_lists_benchmarks_and_refuses_unknown(capsys):

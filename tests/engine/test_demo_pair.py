@@ -33,7 +33,7 @@ def baseline(engine, prompts):
 def test_greedy_identical_to_plain_decoding(engine, prompts, baseline, drafter, gamma):
     out = engine.generate(prompts, SamplingParams(max_tokens=64), SpecParams("fixed", gamma), drafter)
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in baseline]
-    assert engine.kv.slots_used == 0
+    assert engine.kv.held() == (0, 0)
 
 
 def test_greedy_acceptance_at_gamma4_on_held_out_code(engine):

@@ -22,7 +22,7 @@ PROMPT = [5, 17, 300, 42, 99, 1000, 7, 7, 8, 2048, 3]
 
 def _logits(model, ids):
     s = model.shape
-    kv = KVCache(s.layers, 1, 64, s.kv_heads, s.head_dim, torch.float32, "cpu")
+    kv = KVCache.dense(s.layers, 1, 64, s.kv_heads, s.head_dim, torch.float32, "cpu")
     return Runner(model, kv, "sdpa").forward([0], [0], [ids], last_only=False)[0]
 
 

@@ -21,12 +21,12 @@ PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "z", "the 
 def engine(random_models, tokenizer):
     target = load_model(random_models["llama"], torch.float32, "cpu")
     draft = load_model(random_models["llama_draft"], torch.float32, "cpu")
-    cfg = EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, prefix_cache_blocks=64, max_batch_tokens=64)
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, max_batch_tokens=64)
     return Engine(target, tokenizer, cfg, {"ngram": NgramDrafter(), "model": ModelDrafter(draft, 8, 256)}, "model")
 
 
 def _clean(engine):
-    assert engine.kv.slots_used == 0 and not engine.seqs and not engine.has_work
+    assert engine.kv.held() == (0, 0) and not engine.seqs and not engine.has_work
     for d in engine.drafters.values():
         assert not getattr(d, "state", {}), "drafter state left behind"
 
@@ -112,23 +112,27 @@ def test_prefix_cache_hits_and_keeps_output(engine):
     sp = SamplingParams(max_tokens=16, ignore_eos=True)
     prompt = "shared system prompt, long enough to fill blocks. " * 2
     first = engine.generate([prompt + "A"], sp, SpecParams("off"))[0]
-    hits = engine.kv.prefix.stats.hits
+    hits = engine.kv.pool.stats.hits
     again = engine.generate([prompt + "A"], sp, SpecParams("off"))[0]
-    assert engine.kv.prefix.stats.hits > hits
+    assert engine.kv.pool.stats.hits > hits
     assert again["token_ids"] == first["token_ids"]
 
 
-def test_prefix_cache_checks_tokens_on_hash_hit(engine):
-    """A forged entry with the right hash but other tokens is never served."""
-    pool = engine.kv.prefix
-    toks = engine.tokenizer.encode("forged block test!!")
-    h = engine.kv.hashes(toks)[0]
-    engine.generate(["forged block test!!"], SamplingParams(max_tokens=2), SpecParams("off"))
-    pool.blocks[h].tokens = (1, 2, 3, 4)
-    before = pool.stats.hits
-    slot = engine.kv.allocate()
-    assert pool.load(toks, slot) == 0 and pool.stats.hits == before
-    engine.kv.free(slot)
+def test_prefix_blocks_are_shared_not_copied(engine):
+    """Two live sequences with one prompt prefix hold the same blocks (one reference each)."""
+    prompt = "a prompt shared by two requests that spans blocks: " * 2
+    engine.generate([prompt + "x"], SamplingParams(max_tokens=2), SpecParams("off"))
+    a = engine.add_request(prompt + "y", SamplingParams(max_tokens=8, ignore_eos=True), SpecParams("off"))
+    b = engine.add_request(prompt + "z", SamplingParams(max_tokens=8, ignore_eos=True), SpecParams("off"))
+    engine.step()
+    ta, tb = engine.seqs[a].kv.table, engine.seqs[b].kv.table
+    shared = len(engine.tokenizer.encode(prompt)) // engine.cfg.block_size
+    assert shared >= 2 and ta.blocks[:shared] == tb.blocks[:shared]
+    assert all(engine.kv.pool.refs[blk] == 2 for blk in ta.blocks[:shared])
+    assert set(ta.blocks[shared:]).isdisjoint(tb.blocks[shared:])
+    engine.abort(a)
+    engine.abort(b)
+    _clean(engine)
 
 
 @pytest.mark.parametrize("kwargs,spec,drafter,match", [
@@ -155,7 +159,7 @@ def test_abort_frees_everything(engine):
     sid = engine.add_request("abcabc", SamplingParams(max_tokens=100, ignore_eos=True), SpecParams("fixed", 4), "model")
     engine.step()
     engine.step()
-    assert engine.kv.slots_used == 1
+    assert engine.kv.rows_used == 1
     engine.abort(sid)
     _clean(engine)
 
@@ -165,20 +169,25 @@ def test_unknown_default_drafter_is_refused(random_models):
         Engine.from_pretrained(random_models["llama"], None, drafter="model")
 
 
-def test_prefix_pool_evicts_chain_tails_first(random_models, tokenizer):
-    """Under pressure a prompt's first blocks stay: a later block is useless without them."""
+def test_cached_blocks_evict_chain_tails_first_and_tell_the_directory(random_models, tokenizer):
+    """Under pressure a prompt's first blocks stay: a later block is useless without them.
+    Cached blocks are published when they fill and withdrawn when they are reused."""
     target = load_model(random_models["llama"], torch.float32, "cpu")
-    e = Engine(target, tokenizer, EngineConfig(max_num_seqs=2, max_model_len=128, block_size=4, prefix_cache_blocks=6))
+    e = Engine(target, tokenizer, EngineConfig(max_num_seqs=1, max_model_len=96, block_size=4, max_batch_tokens=64,
+                                               prefill_chunk=16))
     events = []
-    e.kv.prefix.on_change = lambda s, ev: events.append((s, ev))
+    e.kv.pool.on_change = lambda stored, evicted: events.append((stored, evicted))
     sp = SamplingParams(max_tokens=1)
-    a = "aaaabbbbccccdddd!"   # 4 full blocks
-    e.generate([a], sp, SpecParams("off"))
-    e.generate(["zzzzyyyy!"], sp, SpecParams("off"))   # 2 more: pool full (6)
-    e.generate(["qqqqrrrr!"], sp, SpecParams("off"))   # evicts 2 blocks of the oldest chain: its tail
-    first = e.kv.hashes(tokenizer.encode(a))
-    assert first[0] in e.kv.prefix.blocks and first[1] in e.kv.prefix.blocks
-    assert set(events[-1][1]) == set(first[2:])
+    e.generate([list(range(3, 98))], sp, SpecParams("off"))  # 95 tokens: 23 full blocks and a partial one
+    chain = e.kv.pool.hashes()
+    assert len(chain) == 23 and [h for s, _ in events for h in s] == chain
+    untouched = e.kv.pool.num_blocks - 24
+    # a prompt that needs every never-used block, the partial one and two of the chain's
+    e.generate([[7] * (4 * (untouched + 3) - 2)], sp, SpecParams("off"))
+    evicted = [h for _, ev in events for h in ev]
+    assert evicted == [chain[-1], chain[-2]]
+    assert set(chain[:-2]) <= set(e.kv.pool.hashes())
+    assert e.kv.held() == (0, 0)
 
 
 class ThreadedDrafter(NgramDrafter):
@@ -263,7 +272,7 @@ def test_model_drafter_drafting_ahead_is_lossless(random_models, tokenizer, base
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in baseline]
     hits = e.planner.counts["ahead_hits"]
     assert hits > 10, e.planner.counts
-    assert not drafter.state and e.kv.slots_used == 0
+    assert not drafter.state and e.kv.held() == (0, 0)
     out = e.generate(PROMPTS, params, spec)  # several rows: it does not (measured slower on a GPU)
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in baseline]
     assert e.planner.counts["ahead_hits"] == hits
@@ -281,7 +290,7 @@ def test_early_exit_self_drafter_is_lossless(random_models, tokenizer, baseline)
         assert sum(r["spec"]["drafted"] for r in out) > 0
     sampled = e.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0.9, seed=3), SpecParams("fixed", 3),
                          "early-exit")
-    assert all(len(r["token_ids"]) > 0 for r in sampled) and e.kv.slots_used == 0
+    assert all(len(r["token_ids"]) > 0 for r in sampled) and e.kv.held() == (0, 0)
 
 
 def test_model_drafter_batched_catch_up_matches_one_row_at_a_time(random_models, tokenizer):
@@ -313,9 +322,9 @@ def test_runner_warm_up_touches_only_the_scratch_slot(random_models, tokenizer):
     warmed, cold = ModelDrafter(draft, 4, 128), ModelDrafter(draft, 4, 128)
     reqs = [DraftRequest(f"s{i}", tokenizer.encode(p), 4) for i, p in enumerate(PROMPTS[:2])]
     warmed.propose(reqs), cold.propose(reqs)
-    cached = warmed.kv.k[:, : warmed.kv.num_slots].clone()
+    cached = warmed.kv.k[:, : warmed.kv.scratch_block].clone()
     warmed.runner.warm_up()
-    assert torch.equal(cached, warmed.kv.k[:, : warmed.kv.num_slots])
+    assert torch.equal(cached, warmed.kv.k[:, : warmed.kv.scratch_block])
     assert not torch.equal(warmed.kv.k[:, -1], torch.zeros_like(warmed.kv.k[:, -1]))  # it did run
     more = [DraftRequest(r.seq_id, r.token_ids + [5, 6, 7], 4) for r in reqs]
     assert warmed.propose(more).tokens == cold.propose(more).tokens
@@ -348,3 +357,27 @@ def test_model_drafter_greedy_chain_is_the_draft_models_own_greedy_text(random_m
         assert got.tokens == [greedy(p, k) for p, k in zip(ids, ks)]
         assert all(q.shape == (k, 1) and (p == 1.0).all() for q, p, k in zip(got.q_ids, got.q_probs, ks))
         ids = [p + t[:2] for p, t in zip(ids, got.tokens)]  # two drafts accepted, the rest rejected
+
+
+@pytest.mark.parametrize("temperature,spec", [(0.0, SpecParams("off")), (0.0, SpecParams("fixed", 4)),
+                                              (0.8, SpecParams("off")), (0.8, SpecParams("fixed", 4))])
+def test_preemption_never_changes_a_token(engine, random_models, tokenizer, temperature, spec):
+    """A pool too small for the batch preempts sequences and recomputes them later: greedy and
+    seeded sampled outputs are what they are with room for everyone; nothing leaks."""
+    from cluster.engine.kv_cache import block_bytes
+
+    prompts = PROMPTS * 3
+    params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=temperature, seed=i) for i in range(len(prompts))]
+    roomy = engine.generate(prompts, params, spec, "model")
+    target = load_model(random_models["llama"], torch.float32, "cpu")
+    draft = load_model(random_models["llama_draft"], torch.float32, "cpu")
+    s = target.shape
+    gb = 80 * block_bytes(s.layers, 4, s.kv_heads, s.head_dim, torch.float32) / 2**30  # one sequence of 256 and a few more
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, max_batch_tokens=64, prefill_chunk=16,
+                       kv_cache_gb=gb)
+    tight = Engine(target, tokenizer, cfg, {"model": ModelDrafter(draft, 8, 256)}, "model")
+    out = tight.generate(prompts, params, spec, "model")
+    assert tight.scheduler.preemptions > 0
+    assert [r["token_ids"] for r in out] == [r["token_ids"] for r in roomy]
+    _clean(tight)
+    _clean(engine)

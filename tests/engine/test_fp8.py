@@ -15,7 +15,7 @@ from cluster.engine.config import EngineConfig
 from cluster.engine.sequence import SpecParams
 from cluster.serve.build import build_engine
 
-ENGINE = {"max_num_seqs": 8, "max_model_len": 512, "prefix_cache_blocks": 64}
+ENGINE = {"max_num_seqs": 8, "max_model_len": 512}
 
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -34,11 +34,12 @@ def prompts():
 
 
 def _logits(engine, ids):
-    slot = engine.kv.allocate()
+    h = engine.kv.open()
     try:
-        return engine.runner.forward([slot], [0], [ids], last_only=False)[0]
+        engine.kv.grow(h, len(ids))
+        return engine.runner.forward([h.row], [0], [ids], last_only=False)[0]
     finally:
-        engine.kv.free(slot)
+        engine.kv.close(h)
 
 
 def test_cache_is_e4m3_with_calibrated_scales(engines):
@@ -46,9 +47,8 @@ def test_cache_is_e4m3_with_calibrated_scales(engines):
     assert quant.kv.k.dtype == torch.float8_e4m3fn and quant.kv.k.element_size() == 1
     assert full.kv.scales is None and full.kv.k.dtype == torch.float32
     s = quant.kv.scales
-    assert s.shape == (quant.model.shape.layers, 3, ENGINE["max_num_seqs"] + 1, quant.model.shape.kv_heads)
+    assert s.shape == (quant.model.shape.layers, 3) and s.device.type == "cpu"  # numbers for the kernels
     assert torch.isfinite(s).all() and (s > 0).all()
-    assert (s == s[:, :, :1, :1]).all()  # one scale per layer and tensor, broadcast for FA3
 
 
 def test_logits_close_to_full_precision(engines, prompts):
@@ -68,15 +68,15 @@ def test_speculation_lossless_against_fp8_target(engines, prompts, drafter):
     plain = quant.generate(prompts, SamplingParams(max_tokens=48), SpecParams("off"))
     spec = quant.generate(prompts, SamplingParams(max_tokens=48), SpecParams("fixed", 4), drafter)
     assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
-    assert quant.kv.slots_used == 0
+    assert quant.kv.held() == (0, 0)
 
 
 def test_prefix_cache_hit_serves_same_tokens(engines, prompts):
     _, quant = engines
-    hits = quant.kv.prefix.stats.hits
+    hits = quant.kv.pool.stats.hits
     first = quant.generate(prompts[:1], SamplingParams(max_tokens=24), SpecParams("off"))
     again = quant.generate(prompts[:1], SamplingParams(max_tokens=24), SpecParams("off"))
-    assert quant.kv.prefix.stats.hits > hits
+    assert quant.kv.pool.stats.hits > hits
     assert again[0]["token_ids"] == first[0]["token_ids"]
 
 

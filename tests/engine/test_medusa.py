@@ -58,7 +58,7 @@ def target(random_models):
 
 def test_tree_attention_matches_each_path_run_alone(target):
     s = target.shape
-    kv = KVCache(s.layers, 2, 64, s.kv_heads, s.head_dim, torch.float32, "cpu")
+    kv = KVCache.dense(s.layers, 2, 64, s.kv_heads, s.head_dim, torch.float32, "cpu")
     runner = Runner(target, kv, "sdpa")
     prefix, parents, nodes = [5, 9, 13, 2, 7], [-1, -1, 0, 0, 1, 2], [40, 41, 42, 43, 44, 45]
     runner.forward([0], [0], [prefix[:-1]], last_only=True)
@@ -71,10 +71,12 @@ def test_tree_attention_matches_each_path_run_alone(target):
         chain = runner.forward([1], [0], [prefix + path], last_only=True)[0]
         torch.testing.assert_close(tree[i + 1], chain, atol=1e-4, rtol=1e-4)
     # the accepted path's K/V, moved into place, are what a chain pass writes
-    keep_path(kv, 0, 4, [1, 4])
+    keep_path(kv, kv.handles[0], 4, [1, 4])
     runner.forward([1], [0], [prefix + [41, 44]], last_only=True)
-    torch.testing.assert_close(kv.k[:, 0, :7], kv.k[:, 1, :7])
-    torch.testing.assert_close(kv.v[:, 0, :7], kv.v[:, 1, :7])
+    at = [torch.tensor(kv.host_slots(h, list(range(7)))) for h in kv.handles]
+    for cache in (kv.k, kv.v):
+        flat = cache.flatten(1, 2)
+        torch.testing.assert_close(flat[:, at[0]], flat[:, at[1]])
 
 
 def test_walk_follows_the_target():
@@ -133,7 +135,7 @@ def test_greedy_tree_speculation_is_token_identical(engine, baseline, shape, gam
     out = engine.generate(PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True), SpecParams("fixed", gamma), shape)
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in baseline]
     assert all(r["spec"]["drafted"] > 0 for r in out)
-    assert engine.kv.slots_used == 0 and not engine.seqs
+    assert engine.kv.held() == (0, 0) and not engine.seqs
 
 
 def test_sampled_tree_speculation_matches_plain_decoding_seed_for_seed(engine):
@@ -160,7 +162,7 @@ def test_mixed_batch_and_chain_fallback(engine, baseline):
             for o in engine.step():
                 got[o.seq_id] += o.token_ids
         assert [got[i] for i in ids] == [r["token_ids"] for r in baseline]
-        assert engine.kv.slots_used == 0
+        assert engine.kv.held() == (0, 0)
     finally:
         chain.tree_ok = True
 

@@ -13,7 +13,7 @@ def _setup(path):
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ours = load_model(path, torch.float32, "cpu")
     s = ours.shape
-    kv = KVCache(s.layers, 4, 128, s.kv_heads, s.head_dim, torch.float32, "cpu")
+    kv = KVCache.dense(s.layers, 4, 128, s.kv_heads, s.head_dim, torch.float32, "cpu")
     return ref, Runner(ours, kv, "sdpa")
 
 

@@ -43,7 +43,7 @@ class EagerGraphs:
 def make_engine(random_models, tokenizer, pipelined: bool) -> Engine:
     target = load_model(random_models["llama"], torch.float32, "cpu")
     draft = load_model(random_models["llama_draft"], torch.float32, "cpu")
-    cfg = EngineConfig(max_num_seqs=8, max_model_len=96, block_size=4, prefix_cache_blocks=32, max_batch_tokens=64)
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=96, block_size=4, max_batch_tokens=64)
     e = Engine(target, tokenizer, cfg, {"ngram": NgramDrafter(), "model": ModelDrafter(draft, 16, 96)}, "model")
     if pipelined:
         e.pipeline = DecodePipeline(EagerGraphs(e.runner))
@@ -89,7 +89,7 @@ def test_pipelined_greedy_decoding_matches_plain_steps(engines):
     assert engines[1].pipeline.hits > 20  # most plain steps used the launch ahead
     assert engines[1].pipeline.graphs.replays > engines[1].pipeline.hits  # some were dropped
     for e in engines:
-        assert e.kv.slots_used == 0 and not e.seqs and not e.has_work
+        assert e.kv.held() == (0, 0) and not e.seqs and not e.has_work
 
 
 def test_launch_ahead_is_dropped_when_rows_change(engines):
@@ -107,4 +107,4 @@ def test_launch_ahead_is_dropped_when_rows_change(engines):
     while e.has_work:
         e.step()
     assert e.pipeline.hits == hits + 1  # the second decode step of "two" only: "one"'s launch was dropped
-    assert b not in e.seqs and e.kv.slots_used == 0
+    assert b not in e.seqs and e.kv.held() == (0, 0)

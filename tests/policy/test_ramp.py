@@ -69,4 +69,4 @@ def test_greedy_outputs_identical_to_speculation_off(ramp, c):
     off, goodput = ramp[c]
     assert goodput.out == off.out
     assert all(len(ids) > 0 for ids in off.out.values())
-    assert goodput.engine.kv.slots_used == 0
+    assert goodput.engine.kv.held() == (0, 0)

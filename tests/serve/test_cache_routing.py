@@ -103,7 +103,7 @@ def test_requests_follow_their_prefix(serve_grpc, tiny_target):
     cfg = parse_config({
         "name": name,
         "models": {"target": tiny_target, "draft": None, "drafter": "none"},
-        "engine": {"max_num_seqs": 8, "max_model_len": 512, "prefix_cache_blocks": 256},
+        "engine": {"max_num_seqs": 8, "max_model_len": 512},
         "verifier": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}},
         "kvdir": {"url": url, "ttl_s": 3.0, "routing_stats_period_s": 0.5},
         "network": {"grpc_port": serve_grpc, "app_name": name, "route_prefix": f"/{name}"},

@@ -38,7 +38,7 @@ class DraftRequest:
     # hidden state [D] at the last token, None when no target pass has produced it yet.
     hidden: torch.Tensor | None = None
     # Filled only for drafters that share the target's KV (Drafter.reads_target_kv): the
-    # sequence's slot in the target's cache and the tokens cached there.
+    # sequence's block-table row in the target's cache and the tokens cached there.
     target_kv: tuple[int, int] | None = None
 
 

@@ -1,8 +1,9 @@
 """Early-exit self-drafting: the target's first layers and its own head propose drafts.
 
 No second model and no second KV cache: the drafter runs the target's first `layers` layers
-on the target's own slots (each request carries its slot and cached length, `reads_target_kv`;
-the drafter is given the target's runner, never the engine, so it runs in the verifier's process). For those layers a draft token at a position gets exactly the
+on the target's own cache (each request carries its table row and cached length,
+`reads_target_kv`; the drafter is given the target's runner, never the engine, so it runs in
+the verifier's process). For those layers a draft token at a position gets exactly the
 keys and values the verify pass will write for the same token there, so the drafter's
 writes are either rewritten identically or, past a rejection, rolled back with the rest.
 Acceptance depends on how much the skipped layers change the prediction: it is measured,
@@ -43,14 +44,14 @@ class EarlyExitDrafter(Drafter):
             ids = [out.q_ids[j] if j is not None else one_hot([])[0] for j in rows]
             ps = [out.q_probs[j] if j is not None else one_hot([])[1] for j in rows]
             return DraftOutput(toks, ids, ps, time.perf_counter() - t0)
-        slots = [r.target_kv[0] for r in requests]
+        rows = [r.target_kv[0] for r in requests]
         lens = [r.target_kv[1] for r in requests]  # == len(tokens) - 1: the last token is not cached yet
         feed = [[r.token_ids[-1]] for r in requests]
         drafts = [[] for _ in requests]
         q_ids, q_probs = [[] for _ in requests], [[] for _ in requests]
         k = max(r.k for r in requests)
         for step in range(k):
-            logits = self.runner.forward(slots, lens, feed, last_only=True, num_layers=self.layers)
+            logits = self.runner.forward(rows, lens, feed, last_only=True, num_layers=self.layers)
             if all(r.params.greedy for r in requests):  # argmax only: no softmax over the vocabulary
                 for b, tok in enumerate(logits.argmax(-1).tolist()):
                     if step < requests[b].k:

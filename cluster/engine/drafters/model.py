@@ -1,4 +1,4 @@
-"""A small causal LM as the drafter, with its own slot KV cache (state per seq_id, LRU-evicted).
+"""A small causal LM as the drafter, with its own paged KV cache (state per seq_id, LRU-evicted).
 
 It can run in the verifier's process (colocated) or in a Drafter replica of its own: every
 request carries the sequence's tokens, and whatever KV it holds for them is resynchronised
@@ -16,7 +16,7 @@ from concurrent.futures import Future
 import torch
 
 from cluster.engine.drafters.base import TOPK, Drafter, DraftOutput, DraftRequest, draft_generator, empty_rows
-from cluster.engine.kv_cache import KVCache
+from cluster.engine.kv_cache import KVCache, KVHandle
 from cluster.engine.model import CausalLM
 from cluster.engine.runner import Runner, device_ints
 from cluster.engine.sampling import target_probs
@@ -29,6 +29,7 @@ CATCHUP_TOKENS = 8192  # longer rows (new sequences, a return from plain decodin
 # Catch-up passes up to this many tokens a row replay CUDA graphs (hidden states only; logits
 # at each row's last token): eagerly, a new prompt's Python costs more than a draft step.
 CHUNK = 512
+BLOCK = 16  # tokens per block of the drafter's own cache
 
 
 class ModelDrafter(Drafter):
@@ -41,15 +42,18 @@ class ModelDrafter(Drafter):
         # (a small model's step is launches and syncs, which then overlap the verify pass).
         self.stream = torch.cuda.Stream(p.device) if p.device.type == "cuda" else None
         self.look_ahead = ("free" if self.stream is not None else None) if look_ahead == "auto" else look_ahead
-        # spare positions: a batched catch-up pads short rows to the longest (or a graph's width)
-        self.kv = KVCache(s.layers, num_slots, max_len + CHUNK, s.kv_heads, s.head_dim, p.dtype, p.device)
+        # spare positions: a batched catch-up pads short rows to the longest (or a graph's width);
+        # blocks for num_slots sequences of max_len tokens, shared as they come
+        width = max_len + CHUNK
+        self.kv = KVCache(s.layers, num_slots * -(-width // BLOCK), BLOCK, s.kv_heads, s.head_dim, p.dtype, p.device,
+                          max_rows=num_slots, max_tokens=width, prefix_caching=False)
         # CUDA graphs for draft steps (one token a row, with logits) and catch-up passes (every
         # width up to CATCHUP, then 1.5x steps to CHUNK): a small model's step is launches, not math
         cuda = p.device.type == "cuda"
         self.runner = Runner(model, self.kv, graph_width=1 if cuda else 0, prefill_chunk=CHUNK,
                              max_tokens=CATCHUP_TOKENS, dense_to=CATCHUP)
         self.max_len = max_len
-        self.state: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()  # seq_id -> (slot, cached tokens)
+        self.state: OrderedDict[str, tuple[KVHandle, list[int]]] = OrderedDict()  # seq_id -> (KV, cached tokens)
         self.generators: dict[str, torch.Generator] = {}
 
     def propose_async(self, requests: list[DraftRequest]) -> Future:
@@ -71,24 +75,38 @@ class ModelDrafter(Drafter):
             st = self.state.pop(sid, None)
             self.generators.pop(sid, None)
             if st is not None:
-                self.kv.free(st[0])
+                self.kv.close(st[0])
 
     def tokens_held(self, seq_id: str) -> list[int] | None:
         """The tokens whose KV this drafter holds for a sequence (None: no state)."""
         st = self.state.get(seq_id)
         return st[1] if st is not None else None
 
-    def _slot(self, seq_id: str, keep: set[str]) -> int:
+    def _handle(self, seq_id: str, keep: set[str]) -> KVHandle:
         if seq_id in self.state:
             self.state.move_to_end(seq_id)
             return self.state[seq_id][0]
-        slot = self.kv.allocate()
-        while slot is None:  # evict the least recently used sequence not in this batch
-            victim = next(s for s in self.state if s not in keep)
-            self.release([victim])
-            slot = self.kv.allocate()
-        self.state[seq_id] = (slot, [])
-        return slot
+        h = self.kv.open()
+        while h is None:  # evict the least recently used sequence not in this batch
+            self._evict(keep)
+            h = self.kv.open()
+        self.state[seq_id] = (h, [])
+        return h
+
+    def _evict(self, keep: set[str]) -> bool:
+        """Drop the KV of the least recently used sequence outside `keep` (not its sampling
+        stream: a seeded sequence drafts the same whether or not its KV was evicted)."""
+        victim = next((s for s in self.state if s not in keep), None)
+        if victim is not None:
+            self.kv.close(self.state.pop(victim)[0])
+        return victim is not None
+
+    def _room(self, h: KVHandle, num_tokens: int, keep: set[str]) -> bool:
+        while self.kv.blocks_needed(h, num_tokens) > self.kv.pool.num_free:
+            if not self._evict(keep):
+                return False
+        self.kv.grow(h, num_tokens)
+        return True
 
     def propose(self, requests: list[DraftRequest]) -> DraftOutput:
         t0 = time.perf_counter()
@@ -105,19 +123,23 @@ class ModelDrafter(Drafter):
 
     def _propose(self, reqs: list[DraftRequest], out: dict) -> None:
         keep = {r.seq_id for r in reqs}
-        slots, lens, feed = [], [], []
+        handles = {r.seq_id: self._handle(r.seq_id, keep) for r in reqs}
+        # blocks for the new tokens and the drafts; a row the pool cannot hold drafts nothing
+        reqs = [r for r in reqs if self._room(handles[r.seq_id], len(r.token_ids) + r.k, keep)]
+        if not reqs:
+            return
+        kv_rows, lens, feed = [], [], []
         for r in reqs:
-            slot = self._slot(r.seq_id, keep)
             cached = self.state[r.seq_id][1]
             n = _common_prefix(cached, r.token_ids)
             n = min(n, len(r.token_ids) - 1)  # always feed at least one token to get logits
-            slots.append(slot)
+            kv_rows.append(handles[r.seq_id].row)
             lens.append(n)
             feed.append(r.token_ids[n:])
-        logits = self._catch_up(slots, lens, feed)
+        logits = self._catch_up(kv_rows, lens, feed)
         lens = [n + len(f) for n, f in zip(lens, feed)]
         if all(r.params.greedy for r in reqs):
-            drafts = self._greedy_chain(reqs, slots, lens, logits)
+            drafts = self._greedy_chain(reqs, kv_rows, lens, logits)
             for r, d in zip(reqs, drafts):  # one-hot proposals
                 out[r.seq_id][1].extend([t] for t in d)
                 out[r.seq_id][2].extend([1.0] for _ in d)
@@ -125,17 +147,17 @@ class ModelDrafter(Drafter):
             # a row's generator is made on its first sampled draft (seeded: the same stream)
             gens = [self.generators.get(r.seq_id) or self.generators.setdefault(r.seq_id, draft_generator(r.params.seed))
                     for r in reqs]
-            drafts = self._sampled_chain(reqs, slots, lens, logits, gens, out)
+            drafts = self._sampled_chain(reqs, kv_rows, lens, logits, gens, out)
         for b, r in enumerate(reqs):
             cached = r.token_ids + drafts[b][:-1]  # the last draft was never fed
-            self.state[r.seq_id] = (slots[b], cached[: lens[b]])
+            self.state[r.seq_id] = (handles[r.seq_id], cached[: lens[b]])
             out[r.seq_id][0].extend(drafts[b])
             # pad every position's support to the same K so arrays stay rectangular
             width = max(len(x) for x in out[r.seq_id][1]) if drafts[b] else 0
             out[r.seq_id][1][:] = [x + [x[0]] * (width - len(x)) for x in out[r.seq_id][1]]
             out[r.seq_id][2][:] = [x + [0.0] * (width - len(x)) for x in out[r.seq_id][2]]
 
-    def _greedy_chain(self, reqs, slots, lens, logits) -> list[list[int]]:
+    def _greedy_chain(self, reqs, kv_rows, lens, logits) -> list[list[int]]:
         """Every row's argmax fed back on the device, step after step, and one copy of all the
         drafts to the host at the end: a draft step of a small model is a graph replay of tens
         of microseconds, which a host round trip per step (argmax to the host, tokens back)
@@ -149,7 +171,7 @@ class ModelDrafter(Drafter):
             if not rows:
                 break
             fed = prev if len(rows) == len(idx) else prev[device_ints([idx.index(b) for b in rows], prev.device)]
-            sub = self.runner.decode([slots[b] for b in rows], [lens[b] for b in rows], fed)
+            sub = self.runner.decode([kv_rows[b] for b in rows], [lens[b] for b in rows], fed)
             picks.append(sub.argmax(-1))
             for b in rows:
                 lens[b] += 1
@@ -163,7 +185,7 @@ class ModelDrafter(Drafter):
                 at += 1
         return drafts
 
-    def _sampled_chain(self, reqs, slots, lens, logits, gens, out) -> list[list[int]]:
+    def _sampled_chain(self, reqs, kv_rows, lens, logits, gens, out) -> list[list[int]]:
         """Each row samples from its top-K-truncated distribution (on the host, with its own
         generator: reproducible for a seed); greedy rows among them take the argmax."""
         drafts: list[list[int]] = [[] for _ in reqs]
@@ -189,7 +211,7 @@ class ModelDrafter(Drafter):
             rows = [b for b in picks if len(drafts[b]) < reqs[b].k]
             if not rows:
                 break
-            sub = self.runner.forward([slots[b] for b in rows], [lens[b] for b in rows],
+            sub = self.runner.forward([kv_rows[b] for b in rows], [lens[b] for b in rows],
                                       [[drafts[b][-1]] for b in rows], last_only=True)
             logits = logits.clone()
             logits[rows] = sub
@@ -197,19 +219,19 @@ class ModelDrafter(Drafter):
                 lens[b] += 1
         return drafts
 
-    def _catch_up(self, slots, lens, feed) -> torch.Tensor:
+    def _catch_up(self, kv_rows, lens, feed) -> torch.Tensor:
         groups = [[b for b, f in enumerate(feed) if len(f) <= CATCHUP]]
-        cap = self.kv.capacity
+        cap = self.kv.max_tokens
         for b in sorted((b for b, f in enumerate(feed) if len(f) > CATCHUP), key=lambda b: len(feed[b])):
             g, n = groups[-1], len(feed[b])  # rows sorted by length: b's is the group's width
-            # a row padded to the group's width writes past its own tokens: it must fit the slot
+            # a row padded to the group's width writes past its own tokens: within its table
             pad = self.runner.padded_width(n)
             if len(groups) == 1 or (len(g) + 1) * n > CATCHUP_TOKENS or max(lens[x] for x in g + [b]) + pad > cap:
                 groups.append([])
             groups[-1].append(b)
         logits = None
         for rows in filter(None, groups):
-            part = self.runner.forward([slots[b] for b in rows], [lens[b] for b in rows],
+            part = self.runner.forward([kv_rows[b] for b in rows], [lens[b] for b in rows],
                                        [feed[b] for b in rows], last_only=True)
             if logits is None:
                 logits = part.new_empty((len(feed), part.shape[-1]))
