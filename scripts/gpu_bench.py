@@ -36,6 +36,7 @@ from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.engine import Engine
 from cluster.engine.sampling import SamplingParams
 from cluster.engine.config import EngineConfig
+from cluster.engine.kv_cache import KVCache
 from cluster.engine.sequence import SpecParams
 from cluster.policy import SpeculationPolicyConfig, make_controller
 
@@ -74,13 +75,14 @@ def agreement(engine, prompt: list[int], spec: list[int], plain: list[int]) -> d
     i = next((j for j, (a, b) in enumerate(zip(spec, plain)) if a != b), None)
     if i is None:
         return {"same_tokens": len(spec) == len(plain), "tokens": len(plain)}
-    slot, graphs = engine.kv.allocate(), engine.runner.graphs
+    h, graphs = engine.kv.open(), engine.runner.graphs
     engine.runner.graphs = None
     try:
-        logits = engine.runner.forward([slot], [0], [prompt + plain[:i]], last_only=True)[0].float()
+        engine.kv.grow(h, len(prompt) + i)
+        logits = engine.runner.forward([h.row], [0], [prompt + plain[:i]], last_only=True)[0].float()
     finally:
         engine.runner.graphs = graphs
-        engine.kv.free(slot)
+        engine.kv.close(h)
     top2 = logits.topk(2).values
     return {"same_tokens": False, "tokens": len(plain), "first_difference": i,
             "plain_minus_spec_logit": float(logits[plain[i]] - logits[spec[i]]),
@@ -134,7 +136,7 @@ def main() -> int:
     R.update(copy_bandwidth_TBps=bw / 1e12, param_bytes=param_bytes, draft_param_bytes=draft_bytes,
              ceiling_tokens_per_s=ceiling)
     log(f"bandwidth {bw/1e12:.2f} TB/s, ceiling {ceiling:.1f} tok/s, target {param_bytes/1e9:.2f} GB")
-    cfg = EngineConfig(max_num_seqs=64, max_model_len=1024, max_batch_tokens=4096, prefill_chunk=512,
+    cfg = EngineConfig(max_num_seqs=64, max_model_len=1024, max_batch_tokens=4096, prefill_chunk=512, prefix_caching=False,
                        gamma=4, gamma_max=8, device="cuda", dtype="bfloat16",
                        compile=os.environ.get("COMPILE", "1") == "1")
     drafter = ModelDrafter(draft, cfg.max_num_seqs + 2, cfg.max_model_len)
@@ -169,7 +171,7 @@ def main() -> int:
     t_ver = {g: cuda_time(step[g + 1]) for g in gammas}
     R["verify_gamma4_over_decode"] = {"decode_ms": 1e3 * t_dec, "verify5_ms": 1e3 * t_ver[4], "ratio": t_ver[4] / t_dec}
     R["verify_ms_by_gamma"] = {g: 1e3 * t for g, t in t_ver.items()}
-    engine.kv.free(slot)
+    engine.kv.close(slot)
     log("verify/decode:", R["verify_gamma4_over_decode"], R["verify_ms_by_gamma"], R=R)
 
     R["speculation_batch1"] = {}
@@ -203,32 +205,37 @@ def main() -> int:
     R["ngram_batch1_g4"] = {**drop_ids(ng), "speedup": ng["tokens_per_s"] / plain["tokens_per_s"]}
     log("ngram g4:", R["ngram_batch1_g4"], R=R)
 
-    # attention only: the verify step (q = 5) at 8k context, batch 64
+    # attention only: the verify step (q = 5) at 8k context, batch 64, paged (the engine's
+    # backend, key writes included) against SDPA over the same blocks
     s = target.shape
     B, T, ctx_len = 64, 5, 8192
-    kc = torch.randn((B + 1, ctx_len + 16, s.kv_heads, s.head_dim), dtype=torch.bfloat16, device="cuda")
-    vc = torch.randn_like(kc)
+    kv = KVCache.dense(1, B, ctx_len, s.kv_heads, s.head_dim, torch.bfloat16, "cuda")
+    kv.k.normal_()
+    kv.v.normal_()
     q = torch.randn((B, T, s.heads, s.head_dim), dtype=torch.bfloat16, device="cuda")
     k = torch.randn((B, T, s.kv_heads, s.head_dim), dtype=torch.bfloat16, device="cuda")
-    actx = AttnContext.build(list(range(B)), [ctx_len - T] * B, [T] * B, "cuda")
-    fa3 = make_backend("fa3", torch.device("cuda"), torch.bfloat16)
-    t_fa3 = cuda_time(lambda: fa3(q, k, k, kc, vc, actx))
-    t_sdpa = cuda_time(lambda: SdpaBackend()(q, k, k, kc, vc, actx))
-    R["verify_attention_8k_b64"] = {"fa3_ms": 1e3 * t_fa3, "sdpa_ms": 1e3 * t_sdpa, "sdpa_over_fa3": t_sdpa / t_fa3}
+    actx = AttnContext.build(kv, list(range(B)), [ctx_len - T] * B, [T] * B, "cuda")
+    actx.splits = engine.runner._splits(B, T, ctx_len)
+    paged = make_backend("auto", torch.device("cuda"), torch.bfloat16)
+    t_paged = cuda_time(lambda: paged(q, k, k, kv.k[0], kv.v[0], actx))
+    t_sdpa = cuda_time(lambda: SdpaBackend()(q, k, k, kv.k[0], kv.v[0], actx))
+    R["verify_attention_8k_b64"] = {"backend": paged.name, "paged_ms": 1e3 * t_paged, "sdpa_ms": 1e3 * t_sdpa,
+                                    "sdpa_over_paged": t_sdpa / t_paged}
     log("attention 8k b64:", R["verify_attention_8k_b64"], R=R)
-    del kc, vc
+    del kv
 
     return sweep_only(engine, prompts, R)
 
 
 def step_calls(engine, ctx_ids: list[int], widths) -> tuple[int, dict]:
-    """A slot holding `ctx_ids` and, per width w, a call that runs one w-token step after them
-    (a decode step at 1, a gamma = w - 1 verify; CUDA-graph replays once captured). The
+    """A sequence holding `ctx_ids` and, per width w, a call that runs one w-token step after
+    them (a decode step at 1, a gamma = w - 1 verify; CUDA-graph replays once captured). The
     steps write past the context and never advance it: each call times the same step."""
-    slot = engine.kv.allocate()
-    engine.runner.forward([slot], [0], [ctx_ids], last_only=True)
+    h = engine.kv.open()
     n = len(ctx_ids)
-    return slot, {w: (lambda w=w: engine.runner.forward([slot], [n], [[5] * w], last_only=False)) for w in widths}
+    engine.kv.grow(h, n + max(widths))
+    engine.runner.forward([h.row], [0], [ctx_ids], last_only=True)
+    return h, {w: (lambda w=w: engine.runner.forward([h.row], [n], [[5] * w], last_only=False)) for w in widths}
 
 
 def watch_steps(engine) -> None:
@@ -252,10 +259,13 @@ def watch_steps(engine) -> None:
 def prefill_ms(engine, ids: list[list[int]]) -> dict:
     """Wall ms of one prefill pass over these prompts (host work included), on its CUDA
     graph and eagerly."""
-    run, slots = engine.runner, [engine.kv.allocate() for _ in ids]
+    run, handles = engine.runner, [engine.kv.open() for _ in ids]
+    for h, x in zip(handles, ids):
+        engine.kv.grow(h, len(x) + 512)  # a prefill graph pads the row to its width
+    rows = [h.row for h in handles]
 
     def wall() -> float:
-        once = lambda: (run.forward(slots, [0] * len(ids), ids, last_only=True), torch.cuda.synchronize())  # noqa: E731
+        once = lambda: (run.forward(rows, [0] * len(ids), ids, last_only=True), torch.cuda.synchronize())  # noqa: E731
         once()
         times = []
         for _ in range(10):
@@ -268,8 +278,8 @@ def prefill_ms(engine, ids: list[list[int]]) -> dict:
     graphs, run.graphs = run.graphs, None
     eager = wall()
     run.graphs = graphs
-    for s in slots:
-        engine.kv.free(s)
+    for h in handles:
+        engine.kv.close(h)
     return {"graph_ms": graphed, "eager_ms": eager}
 
 

@@ -83,7 +83,7 @@ def step_ab() -> int:
     demo = Path(__file__).resolve().parents[1] / "cluster" / "models" / "demo"
     target, _ = demo_8b(demo / "target", demo / "draft")
     tok = AutoTokenizer.from_pretrained(demo / "target")
-    cfg = EngineConfig(max_num_seqs=4, max_model_len=1024, gamma=4, gamma_max=8,
+    cfg = EngineConfig(max_num_seqs=4, max_model_len=1024, prefix_caching=False, gamma=4, gamma_max=8,
                        device="cuda", dtype="bfloat16", compile=True)
     runs, default = {}, gemv.SPLIT_K
     for split in (0, 4):

@@ -5,15 +5,18 @@
 Two verifier replicas behind the gRPC proxy, a local Redis-protocol KV directory, the demo
 target (speculation off: this measures prefill reuse). The workload is S system prompts
 (distinct Python sources, ~P tokens) times many short user suffixes, sent in one seeded
-order. For each prefix-cache size and routing mode the app is deployed fresh and warmed
-with one request per system prompt; then each concurrency is one measured phase (the
-cache stays warm between phases): client-side TTFT (first streamed chunk), the engine's
-own TTFT, and the prefix-cache block hit rate of the phase.
+order. For each KV pool size (engine.kv_cache_gb) and routing mode the app is deployed
+fresh and warmed with one request per system prompt; then each concurrency is one measured
+phase (the cache stays warm between phases): client-side TTFT (first streamed chunk), the
+engine's own TTFT, and the prefix-cache block hit rate of the phase.
 
-The interesting regime is a per-replica cache smaller than all system prompts together
-but large enough for half of them: default routing makes every replica cache every
-prompt and thrash, cache-aware routing partitions them. With a cache that holds
-everything both modes hit, and the comparison shows what routing on prefixes costs.
+The KV cache is paged: live sequences and cached prompt blocks share one pool per replica,
+and freed prompt blocks stay cached until the pool needs them (LRU). The interesting regime
+is a pool whose room beyond the live sequences is smaller than all system prompts together
+but large enough for half of them: default routing makes every replica cache every prompt
+and thrash, cache-aware routing partitions them. With a pool that holds everything both
+modes hit, and the comparison shows what routing on prefixes costs. Each run records the
+pool's size in blocks as the replicas report it (kv_blocks_total).
 """
 
 from __future__ import annotations
@@ -72,6 +75,11 @@ def prefix_counts(app: str, expect: int) -> dict[str, tuple[int, int]]:
     return {r: (s.get("prefix_queries", 0), s.get("prefix_hits", 0)) for r, s in reps.items()}
 
 
+def pool_blocks(app: str) -> int:
+    """KV blocks per replica (all replicas are configured alike; the first reported)."""
+    return next((s.get("kv_blocks_total", 0) for s in board(app).values()), 0)
+
+
 def measure(client: Client, app: str, replicas: int, prompts: list[str], reqs, concurrency: int,
             max_tokens: int, desc: str) -> dict:
     """One phase at a fixed concurrency: client TTFT and the phase's block hit rate."""
@@ -113,15 +121,15 @@ def measure(client: Client, app: str, replicas: int, prompts: list[str], reqs, c
             "hit_rate": h / q if q else 0.0, "requests_per_s": len(ttft) / wall, "per_replica": per_replica}
 
 
-def run_mode(base: dict, mode: str, cache_blocks: int, prompts: list[str], reqs, args) -> list[dict]:
+def run_mode(base: dict, mode: str, kv_cache_gb: float, prompts: list[str], reqs, args) -> list[dict]:
     """Deploy fresh, warm up once per system prompt, then one phase per concurrency."""
     from ray import serve
 
     from cluster.serve.launch import run_app
 
-    app = f"routing-{mode}-{cache_blocks}"
+    app = f"routing-{mode}-{kv_cache_gb:g}".replace(".", "_")
     cfg: ClusterConfig = parse_config(base, {
-        "engine": {"prefix_cache_blocks": cache_blocks},
+        "engine": {"kv_cache_gb": kv_cache_gb},
         "kvdir": {"routing": mode},
         "network": {"app_name": app, "route_prefix": f"/{app}"}})
     run_app(cfg)
@@ -130,11 +138,14 @@ def run_mode(base: dict, mode: str, cache_blocks: int, prompts: list[str], reqs,
     try:
         for p in prompts:
             client.generate(p + "\n# warm up\n", max_tokens=1, speculation="off")
+        prefix_counts(app, cfg.verifier.num_replicas)  # every replica has reported
+        blocks = pool_blocks(app)
         for c in args.concurrency:
             r = measure(client, app, cfg.verifier.num_replicas, prompts, reqs, c, args.max_tokens,
-                        f"{mode} cache={cache_blocks} c={c}")
-            out.append({"mode": mode, "prefix_cache_blocks": cache_blocks, **r})
-            tqdm.write(f"{mode:13s} cache={cache_blocks:4d} c={c}  TTFT p50 {r['ttft_ms_p50']:6.1f} ms  p99 "
+                        f"{mode} kv={kv_cache_gb:g} GiB c={c}")
+            out.append({"mode": mode, "kv_cache_gb": kv_cache_gb, "kv_blocks_total": blocks, **r})
+            tqdm.write(f"{mode:13s} kv={kv_cache_gb:g} GiB ({blocks} blocks) c={c}  TTFT p50 "
+                       f"{r['ttft_ms_p50']:6.1f} ms  p99 "
                   f"{r['ttft_ms_p99']:6.1f} ms  mean {r['ttft_ms_mean']:6.1f} ms  server p50 "
                   f"{r['server_ttft_ms_p50']:5.1f} ms  hit rate {100 * r['hit_rate']:5.1f}%")
     finally:
@@ -150,10 +161,11 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = res["runs"]
-    groups = sorted({(r["prefix_cache_blocks"], r["concurrency"]) for r in runs})
+    groups = sorted({(r["kv_cache_gb"], r["concurrency"]) for r in runs})
     modes = [m for m in ("power_of_two", "cache_aware") if any(r["mode"] == m for r in runs)]
     label = {"power_of_two": "Serve default (power of two)", "cache_aware": "cache-aware (PrefixLoadRouter)"}
-    get = {(r["mode"], r["prefix_cache_blocks"], r["concurrency"]): r for r in runs}
+    get = {(r["mode"], r["kv_cache_gb"], r["concurrency"]): r for r in runs}
+    blocks = {r["kv_cache_gb"]: r["kv_blocks_total"] for r in runs}
     x = np.arange(len(groups))
     w = 0.8 / len(modes)
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
@@ -165,7 +177,7 @@ def plot(res: dict, path: Path) -> None:
                   edgecolor="k", zorder=3, label=f"{label[m]} p99")
         b.bar(x + off, [100 * r["hit_rate"] if r else 0 for r in rs], w, color=f"C{k}", label=label[m])
     wl = res["workload"]
-    ticks = [f"cache {s} blocks\nconcurrency {c}" for s, c in groups]
+    ticks = [f"KV pool {blocks[s]} blocks\nconcurrency {c}" for s, c in groups]
     a.set_xticks(x, ticks)
     a.set(ylabel="TTFT, client side (ms)", title="Time to first token (bars p50, triangles p99)")
     a.legend(fontsize=8)
@@ -188,8 +200,11 @@ def main() -> None:
     ap.add_argument("--per-prompt", type=int, default=16, help="measured requests per system prompt")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[2, 6])
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--cache-blocks", type=int, nargs="+", default=[128, 512],
-                    help="prefix-cache blocks per replica, one run per size and mode")
+    # demo target, float32: 2 x 6 layers x 4 KV heads x 32 dims x 4 bytes = 6 KiB a token, 96 KiB
+    # a 16-token block: 0.02 GiB = 218 blocks (a few concurrent sequences plus about half the
+    # default 8 x 24 prompt blocks), 0.06 GiB = 655 blocks (all of them)
+    ap.add_argument("--kv-cache-gb", type=float, nargs="+", default=[0.02, 0.06],
+                    help="engine.kv_cache_gb per replica (the whole paged pool), one run per size and mode")
     ap.add_argument("--modes", nargs="+", default=["power_of_two", "cache_aware"])
     ap.add_argument("--max-imbalance", type=float, default=None, help="kvdir.max_imbalance (config default)")
     ap.add_argument("--num-cpus", type=int, default=4)
@@ -214,7 +229,7 @@ def main() -> None:
     try:
         ray.init(num_cpus=args.num_cpus, namespace="routing-bench", log_to_driver=False)
         start_serve(parse_config(base))
-        for size in args.cache_blocks:
+        for size in args.kv_cache_gb:
             for mode in args.modes:
                 runs += run_mode(base, mode, size, prompts, reqs, args)
     finally:

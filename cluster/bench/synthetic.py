@@ -6,24 +6,14 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig
 
-from cluster.engine.embedded import LLAMA_8B
-from cluster.engine.model import CausalLM, ModelShape, Rotary
+from cluster.engine.embedded import LLAMA_8B, random_model
+from cluster.engine.model import CausalLM
 
 
 def random_llama(layers: int | None = None, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0) -> CausalLM:
     """Llama-3.1-8B dimensions (or its first `layers` layers), weights ~ N(0, 0.02), norms 1."""
     cfg = LlamaConfig(**{**LLAMA_8B, **({"num_hidden_layers": layers} if layers else {})})
-    shape = ModelShape.from_hf(cfg)
-    with torch.device("meta"):
-        model = CausalLM(shape, cfg)
-    model = model.to(dtype).to_empty(device=device)  # never materialise fp32 weights
-    g = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.fill_(1.0) if "norm" in name else p.normal_(0, 0.02, generator=g)
-    model.rotary = Rotary(cfg, shape.max_positions).to(device)
-    model.config = cfg
-    return model.eval()
+    return random_model(cfg, device, dtype, seed).eval()
 
 
 class NullTokenizer:

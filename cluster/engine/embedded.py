@@ -35,11 +35,12 @@ from cluster.engine.model import CausalLM, ModelShape, Rotary, load_hf_model
 
 A, FINAL_SCALE, PAD_LOGIT = 2.0**-10, 2.0**10, 2.0**14
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, intermediate_size=14336, max_position_embeddings=8192,
+                num_key_value_heads=8, intermediate_size=14336, max_position_embeddings=131072,
                 rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
 
 
-def _big(cfg: LlamaConfig, device, dtype, seed: int) -> CausalLM:
+def random_model(cfg: LlamaConfig, device, dtype, seed: int) -> CausalLM:
+    """A model of cfg's shape, weights ~ N(0, 0.02), norms 1 (only ever materialised in dtype)."""
     shape = ModelShape.from_hf(cfg)
     with torch.device("meta"):
         model = CausalLM(shape, cfg)
@@ -91,7 +92,7 @@ def embed_llama(small: CausalLM, big: dict, device="cuda", dtype=torch.bfloat16,
     rope = {k: v for k, v in small.config.to_dict().items() if k.startswith("rope")}
     cfg = LlamaConfig(**{**big, **rope, "rms_norm_eps": s.eps * s.hidden / big["hidden_size"],
                          "tie_word_embeddings": False})
-    model = _big(cfg, device, dtype, seed)
+    model = random_model(cfg, device, dtype, seed)
     b = model.shape
     qkv_rows, attn_cols, q_scale = _maps(s, b, device)
     hid = torch.arange(s.hidden, device=device)

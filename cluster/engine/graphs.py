@@ -34,7 +34,9 @@ def bucket(batch: int) -> int:
 
 
 class _Graph:
-    def __init__(self, model, kv, batch: int, width: int, pool, num_layers: int | None, logits: bool = True):
+    def __init__(self, model, kv, batch: int, width: int, pool, num_layers: int | None, logits: torch.Tensor | None):
+        """logits: the buffer every graph writes its [batch, width, V] logits into (in the
+        weights' dtype); None: hidden states only (a prefill width)."""
         dev = kv.k.device
         # ids, rows and lens in one buffer: a step's inputs are one copy from pinned memory
         n = batch * width
@@ -48,7 +50,14 @@ class _Graph:
         run = lambda: model(self.ids, *self._ctx(model, kv, width), num_layers)  # noqa: E731
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        head = model.logits if logits else (lambda h: None)
+        V = model.shape.vocab_size
+        out = None if logits is None else logits[: n * V].view(batch, width, V)
+
+        def head(h):
+            if out is not None:
+                out.copy_(model.logits(h, fp32=False))
+            return out
+
         with torch.cuda.stream(stream):
             head(run())  # warm-up allocations outside the graph
         torch.cuda.current_stream().wait_stream(stream)
@@ -84,6 +93,11 @@ class GraphRunner:
         self.max_tokens = max_tokens
         self.graphs: dict[tuple[int, int, int | None], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        # One logits buffer for every graph: one replays at a time and its caller reads the
+        # logits before the next, so a buffer per graph (fp32 [B, T, V] each, ~15 GB over the
+        # graphs of an 8B engine at batch 256) would only hold memory the KV pool can use.
+        self.logits: torch.Tensor | None = None
+        self.max_batch_seen = 1
         self.max_batch, self.device = BUCKETS[-1], kv.k.device
         self.last: tuple[_Graph, int] | None = None  # the graph replayed last and its live rows
 
@@ -93,15 +107,26 @@ class GraphRunner:
         serving: a capture costs up to 50x a replay (~150 ms, 8B shape on an H100), and lazily
         it lands in a step every stream waits on. vLLM captures at start-up for the same reason."""
         t0, before = time.perf_counter(), len(self.graphs)
+        self.max_batch_seen = max(self.max_batch_seen, min(max_batch, BUCKETS[-1]))
         for bk in BUCKETS[:BUCKETS.index(bucket(min(max_batch, BUCKETS[-1]))) + 1]:
             for width in [*range(1, self.max_width + 1), *self.prefill_widths]:
                 key = (bk, width, None)
                 if key not in self.graphs and (width <= self.max_width or bk * width <= self.max_tokens):
                     self.graphs[key] = _Graph(self.model, self.kv, bk, width, self.pool, None,
-                                              logits=width <= self.max_width)
+                                              self._logits(bk, width) if width <= self.max_width else None)
         torch.cuda.synchronize()
         log.info("captured %d CUDA graphs (batch up to %d) in %.1f s", len(self.graphs) - before, max_batch,
                  time.perf_counter() - t0)
+
+    def _logits(self, batch: int, width: int) -> torch.Tensor:
+        """The shared logits buffer, made for the largest graph on first use (capture_all
+        captures the largest batch's graphs, so it is sized once)."""
+        need = batch * width * self.model.shape.vocab_size
+        if self.logits is None or self.logits.numel() < need:
+            w = next(self.model.parameters())
+            self.logits = torch.empty(max(need, bucket(self.max_batch_seen) * self.max_width * self.model.shape.vocab_size),
+                                      dtype=w.dtype, device=w.device)
+        return self.logits
 
     def eligible(self, batch: int, width: int, last_only: bool = False) -> bool:
         """A graph serves this step: verify widths always; prefill widths (hidden states
@@ -149,7 +174,7 @@ class GraphRunner:
         if g is None:
             log.info("capturing CUDA graph for batch %d x width %d (layers %s)", bk, width, num_layers or "all")
             g = self.graphs[key] = _Graph(self.model, self.kv, bk, width, self.pool, num_layers,
-                                          logits=width <= self.max_width)
+                                          self._logits(bk, width) if width <= self.max_width else None)
         g.copied.synchronize()
         host = g.host.numpy()
         n = bk * width

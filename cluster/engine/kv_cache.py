@@ -118,8 +118,11 @@ class KVCache:
         if self._updates:
             (r, c), b = zip(*self._updates), list(self._updates.values())
             self._updates.clear()
-            t = lambda xs, dt: torch.tensor(xs, dtype=dt).to(self.tables.device, non_blocking=True)  # noqa: E731
-            self.tables[t(r, torch.int64), t(c, torch.int64)] = t(b, torch.int32)
+            host = torch.tensor([r, c, b], dtype=torch.int64)
+            if self.tables.is_cuda:  # from pinned memory: a pageable copy would wait for the GPU
+                host = host.pin_memory()
+            idx = host.to(self.tables.device, non_blocking=True)
+            self.tables[idx[0], idx[1]] = idx[2].to(torch.int32)
 
     def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat cache index (block * block_size + offset) of each position [B, T] of each row [B]."""

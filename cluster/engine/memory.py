@@ -23,11 +23,12 @@ GIB = 2**30
 
 
 def graph_output_bytes(model, max_num_seqs: int, width: int) -> int:
-    """The static logits and hidden states every decode/verify graph keeps (fp32 logits)."""
-    s = model.shape
+    """What the decode/verify graphs keep: one shared logits buffer for the largest, and each
+    graph's hidden states."""
+    s, size = model.shape, next(model.parameters()).element_size()
     buckets = BUCKETS[:BUCKETS.index(bucket(min(max_num_seqs, BUCKETS[-1]))) + 1]
-    per_token = s.vocab_size * 4 + s.hidden * next(model.parameters()).element_size()
-    return sum(b * w * per_token for b in buckets for w in range(1, width + 1))
+    return (buckets[-1] * width * s.vocab_size * size
+            + sum(b * w * s.hidden * size for b in buckets for w in range(1, width + 1)))
 
 
 @torch.inference_mode()

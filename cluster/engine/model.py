@@ -204,8 +204,10 @@ class CausalLM(nn.Module):
             h = layer.mlp(h, layer.post_attention_layernorm)
         return self.norm(h)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return KERNELS["linear"](h, self.lm_head.weight).float()
+    def logits(self, h: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """The head over h; in the weights' dtype with fp32=False (a rounding-free cast away)."""
+        y = KERNELS["linear"](h, self.lm_head.weight)
+        return y.float() if fp32 else y
 
 
 def _fuse(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:

@@ -108,6 +108,11 @@ def _merge(Out, PartO, PartL, QLens, s_ob, s_ot, s_oh, s_pb, s_ph, s_ps, s_pm, s
              out.to(Out.dtype.element_ty), mask=m_ok[:, None])
 
 
+# (BLOCK_N, warps, stages): the fastest of a sweep on an H100 at 8B shapes, 8k context, batch 64
+# (benchmarks/gpu/h100/paged_attn): 128-key blocks for verify and prefill rows, 64 for one token
+CONFIG, CONFIG_ONE_TOKEN = (128, 4, 2), (64, 4, 2)
+
+
 def num_splits(batch: int, kv_heads: int, m_tiles: int, max_kv: int, sms: int = 132) -> int:
     """Enough programs to fill the GPU twice over, each with at least 256 keys to read."""
     programs = batch * kv_heads * m_tiles
@@ -116,11 +121,13 @@ def num_splits(batch: int, kv_heads: int, m_tiles: int, max_kv: int, sms: int = 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                     rows: torch.Tensor, cache_lens: torch.Tensor, q_lens: torch.Tensor, splits: int,
-                    kv_scales: tuple[float, float] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    kv_scales: tuple[float, float] | None = None, out: torch.Tensor | None = None,
+                    config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """q [B, T, H, D]; caches [blocks, block_size, Hkv, D] (one layer); tables [R, max_blocks]
     int32; rows, cache_lens, q_lens [B]. The keys of this step's tokens must already be in
     the cache. `kv_scales`: the layer's (k, v) scales of an e4m3 cache, as numbers (constants
-    of a captured CUDA graph).
+    of a captured CUDA graph). `config`: (BLOCK_N, warps, stages) instead of the defaults
+    (scripts/gpu_paged_attn.py sweeps them).
     Returns [B, T, H, D] in q's dtype (rows past q_lens[b] are left as they were)."""
     B, T, H, D = q.shape
     _, BS, HKV, _ = k_cache.shape
@@ -128,7 +135,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q) if out is None else out
     M = T * G
     BLOCK_M = max(16, min(64, triton.next_power_of_2(M)))
-    BLOCK_N = 64 if BLOCK_M <= 32 else 32
+    BLOCK_N, warps, stages = config or (CONFIG if BLOCK_M > 16 else CONFIG_ONE_TOKEN)
     m_tiles = triton.cdiv(M, BLOCK_M)
     fp8 = kv_scales is not None
     k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
@@ -146,7 +153,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out.stride(0), out.stride(1), out.stride(2), tables.stride(0),
         po[0], po[1], po[2], po[3], pl[0], pl[1], pl[2],
         HKV=HKV, G=G, BS=BS, D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLITS=splits, FP8=fp8,
-        num_warps=4, num_stages=2)
+        num_warps=warps, num_stages=stages)
     if splits > 1:
         _merge[(m_tiles, B * HKV)](
             out, part_o, part_l, q_lens, out.stride(0), out.stride(1), out.stride(2),

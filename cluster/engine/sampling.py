@@ -55,10 +55,11 @@ class SamplingParams:
 
 
 def target_probs(logits: torch.Tensor, params: list[SamplingParams], rows_per_param: int = 1) -> torch.Tensor:
-    """logits: [N, V] fp32 -> processed probabilities [N, V]; row i uses params[i // rows_per_param].
+    """logits: [N, V] -> processed fp32 probabilities [N, V]; row i uses params[i // rows_per_param].
 
     Greedy rows become one-hot on the argmax (ties go to the lowest id, as torch.argmax).
     """
+    logits = logits.float()  # CUDA graphs hand over the head's bf16 output
     n, vocab = logits.shape
     rep = lambda xs, dt: torch.tensor(xs, dtype=dt, device=logits.device).repeat_interleave(rows_per_param)  # noqa: E731
     greedy = rep([p.greedy for p in params], torch.bool)

@@ -146,7 +146,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica", "running", "waiting", "gamma", "acceptance_rate", "verify_tokens", "kv_slots_used", "kv_slots_total", "prefix_hit_rate")
+    __slots__ = ("replica", "running", "waiting", "gamma", "acceptance_rate", "verify_tokens", "kv_slots_used", "kv_slots_total", "prefix_hit_rate", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "preemptions", "prefix_hit_tokens")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,11 @@ class ReplicaStats(_message.Message):
     KV_SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     replica: str
     running: int
     waiting: int
@@ -165,7 +170,12 @@ class ReplicaStats(_message.Message):
     kv_slots_used: int
     kv_slots_total: int
     prefix_hit_rate: float
-    def __init__(self, replica: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., gamma: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., verify_tokens: _Optional[int] = ..., kv_slots_used: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ...) -> None: ...
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    preemptions: int
+    prefix_hit_tokens: int
+    def __init__(self, replica: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., gamma: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., verify_tokens: _Optional[int] = ..., kv_slots_used: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
     __slots__ = ("metrics", "replicas")

@@ -20,13 +20,30 @@ from cluster.engine.loader import load_model, load_tokenizer
 from cluster.engine.model import compile_kernels
 
 
+# Longest sequence (prompt + output + drafts) the draft model drafts for; longer rows decode
+# without its drafts. See build_model_drafter.
+DRAFT_MAX_LEN = 2048
+
+
 def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
     ec = cfg.engine_config()
     model = load_model(resolve_model_path(cfg.models.draft), DTYPES[ec.dtype], ec.device)
     cuda = next(model.parameters()).is_cuda  # as the target's engine does (colocated)
     if cuda and ec.compile:
         compile_kernels()
-    drafter = ModelDrafter(model, num_slots=2 * ec.max_num_seqs, max_len=ec.max_model_len,
+    # ModelDrafter's paged pool is num_slots x (max_len + 512) tokens, allocated up front.
+    # Rows: 2 x max_num_seqs, so a drafter replica keeps the state of two verifiers' full
+    # batches (a verifier keeps one replica for 30 s, state it left expires after
+    # drafter_state_ttl_s) before LRU eviction makes a row catch up again from the start.
+    # Length: capped at DRAFT_MAX_LEN, since with the target's max_model_len the pool would
+    # be rows x max_model_len, which a long-context target makes absurd (Llama-3.2-1B, 32 KiB
+    # a token: 512 rows x 32k = 520 GiB, x 2.5k = 40 GiB). The drafter skips rows longer than
+    # max_len (ModelDrafter.propose), so the cap costs speculation on the tokens past 2048 of
+    # long sequences only; short and medium ones, where most tokens are, draft as before. The
+    # demo and test configs (max_model_len <= 1024) are unchanged by it. Colocated on a GPU,
+    # the target's KV pool is sized after this one exists (cluster.engine.memory), so it
+    # comes out of the verifier's pool.
+    drafter = ModelDrafter(model, num_slots=2 * ec.max_num_seqs, max_len=min(ec.max_model_len, DRAFT_MAX_LEN),
                            look_ahead="auto" if ec.draft_look_ahead else None)
     if cuda:
         drafter.runner.warm_up()  # kernel variants and CUDA graphs now, not in the middle of a step

@@ -26,9 +26,16 @@ class VerifierMetrics:
         self.itl = metrics.Histogram("spec_itl_ms", "Inter-token latency (ms)", boundaries=MS_BUCKETS, tag_keys=tags)
         self.prefix_hit = metrics.Gauge("spec_prefix_hit_ratio", "Prefix-cache block hit ratio", tag_keys=tags)
         self.running = metrics.Gauge("spec_running_sequences", "Sequences in the batch", tag_keys=tags)
+        self.kv_total = metrics.Gauge("spec_kv_blocks_total", "Blocks in the paged KV pool", tag_keys=tags)
+        self.kv_used = metrics.Gauge("spec_kv_blocks_used", "KV blocks held by live sequences", tag_keys=tags)
+        self.kv_cached = metrics.Gauge("spec_kv_blocks_cached", "Free KV blocks still holding a reusable prefix",
+                                       tag_keys=tags)
+        self.preemptions = metrics.Counter("spec_preemptions", "Sequences preempted for want of KV blocks "
+                                           "(recomputed later)", tag_keys=tags)
+        self._preemptions = 0  # the engine's count when last reported
         self.tags = {"replica": replica}
         for m in (self.drafted, self.accepted, self.gamma, self.on, self.batch_tokens, self.ttft, self.itl,
-                  self.prefix_hit, self.running):
+                  self.prefix_hit, self.running, self.kv_total, self.kv_used, self.kv_cached, self.preemptions):
             m.set_default_tags(self.tags)
 
     def step(self, obs) -> None:
@@ -53,3 +60,15 @@ class VerifierMetrics:
         for x in itl_ms:
             self.itl.observe(x)
         self.prefix_hit.set(prefix_hit_rate)
+
+    def kv(self, stats: dict) -> None:
+        """The KV pool's figures from Engine.stats(), with each stats report (every second,
+        idle or not: a step-time hook would leave the last busy figures up once idle, and
+        counting cached blocks walks the free list)."""
+        self.kv_total.set(stats["kv_blocks_total"])
+        self.kv_used.set(stats["kv_blocks_used"])
+        self.kv_cached.set(stats["kv_blocks_cached"])
+        n = stats["preemptions"]
+        if n > self._preemptions:
+            self.preemptions.inc(n - self._preemptions)
+        self._preemptions = n

@@ -66,7 +66,14 @@ def cluster_metrics(replicas: dict[str, dict], inflight: int) -> dict[str, float
            "mean_gamma": sum(s.get("gamma", 0) for s in reps) / len(reps) if reps else 0.0,
            "speculating_replicas": sum(1 for s in reps if s.get("gamma", 0) > 0),
            "running": total("running"), "waiting": total("waiting"), "verify_tokens": total("verify_tokens"),
-           "prefix_hit_rate": hits / queries if queries else 0.0}
+           "prefix_hit_rate": hits / queries if queries else 0.0,
+           # the replicas' paged KV pools, in blocks (each replica's own block_size), and the
+           # counts since each replica started; a replacement replica starts its counts at 0
+           "kv_blocks_total": total("kv_blocks_total"), "kv_blocks_used": total("kv_blocks_used"),
+           "kv_blocks_cached": total("kv_blocks_cached"), "preemptions": total("preemptions"),
+           "prefix_hit_tokens": total("prefix_hit_tokens")}
+    blocks = out["kv_blocks_total"]
+    out["kv_blocks_used_fraction"] = out["kv_blocks_used"] / blocks if blocks else 0.0
     width = max((len(s.get("proposed_per_position", [])) for s in reps), default=0)
     for j in range(width):
         p = sum(s["proposed_per_position"][j] for s in reps if j < len(s.get("proposed_per_position", [])))

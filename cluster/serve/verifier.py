@@ -139,10 +139,16 @@ class Verifier:
             raise RuntimeError(f"engine loop is dead: {self.loop.error}")
 
     def _report(self) -> None:
-        """Push stats to the board; take back the cluster's in-flight count for the controller."""
+        """Push stats to the board; take back the cluster's in-flight count for the controller.
+        The KV pool's metrics are set here too, once a second whether or not steps run."""
         while self.loop.alive:
             try:
-                inflight, replicas = self.board.report.remote(self.replica_id, self.stats()).result(timeout_s=5)
+                stats = self.stats()
+                try:
+                    self.metrics.kv(stats)
+                except Exception as e:  # metrics are advice too: the report still goes
+                    log.debug("KV pool metrics failed: %s", e)
+                inflight, replicas = self.board.report.remote(self.replica_id, stats).result(timeout_s=5)
                 self.engine.cluster_inflight = inflight
                 if self.engine.controller:
                     self.engine.controller.set_num_verifier_replicas(max(1, replicas))

@@ -44,8 +44,19 @@ def test_code_defines_the_issue_metrics():
     names = code_metrics()
     for m in ("spec_drafted_tokens", "spec_accepted_tokens", "spec_position_proposed", "spec_position_accepted",
               "spec_gamma", "spec_speculation_on", "spec_verify_batch_tokens", "spec_ttft_ms", "spec_itl_ms",
-              "spec_prefix_hit_ratio", "spec_running_sequences", "kvdir_available"):
+              "spec_prefix_hit_ratio", "spec_running_sequences", "kvdir_available",
+              "spec_kv_blocks_total", "spec_kv_blocks_used", "spec_kv_blocks_cached", "spec_preemptions"):
         assert m in names, m
+
+
+def test_kv_pool_panel(dashboard):
+    """The paged KV pool's blocks (total, used, cached) share one panel; preemptions show as a rate."""
+    panels = {p["title"]: p for p in dashboard["panels"] if p["type"] != "row"}
+    by_metric = {n: t for t, p in panels.items() for e in (x["expr"] for x in p["targets"]) for n in QUERIED.findall(e)}
+    kv = {by_metric[f"ray_spec_kv_blocks_{k}"] for k in ("total", "used", "cached")}
+    assert len(kv) == 1, kv
+    preemptions = panels[by_metric["ray_spec_preemptions_total"]]
+    assert any("rate(ray_spec_preemptions_total[" in t["expr"] for t in preemptions["targets"])
 
 
 def test_every_query_reads_a_defined_metric(dashboard):

@@ -58,11 +58,12 @@ def drafter_sequences(app: str, timeout_s: float = 10.0) -> int:
 
 
 def wait_idle(app: str, timeout_s: float = 30.0, drafter: bool = False) -> dict:
-    """No sequence running or waiting and no KV slot held on the (single) verifier; with
-    `drafter`, no draft state either (it goes with the verifier's idle flush)."""
+    """No sequence running or waiting and no KV held on the (single) verifier: no slot and
+    no block (cached prefix blocks are free, not held); with `drafter`, no draft state
+    either (it goes with the verifier's idle flush)."""
     def idle():
         s = verifier_stats(app)
-        done = s["kv_slots_used"] == 0 and s["running"] == 0 and s["waiting"] == 0
+        done = s["kv_slots_used"] == 0 and s["kv_blocks_used"] == 0 and s["running"] == 0 and s["waiting"] == 0
         return s if done and (not drafter or drafter_sequences(app) == 0) else None
     return wait_until(idle, timeout_s, f"{app} to be idle")
 

@@ -19,6 +19,7 @@ from cluster.engine.sampling import SamplingParams
 from cluster.engine.sequence import SpecParams
 from cluster.serve.build import build_engine
 from tests.conftest import HOPPER
+from tests.serve.chaos import wait_until
 
 PROMPTS = ["import os\nimport sys\n\ndef main(", "class Config:\n    def __init__(self", "for i in range(",
            "    return self._"]
@@ -119,7 +120,7 @@ def _wait_idle(name, timeout=20.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
         s = _verifier_stats(name)
-        if s["kv_slots_used"] == 0 and s["running"] == 0 and s["waiting"] == 0:
+        if s["kv_slots_used"] == 0 and s["kv_blocks_used"] == 0 and s["running"] == 0 and s["waiting"] == 0:
             return s
         time.sleep(0.2)
     raise AssertionError(f"sequences left behind: {s}")
@@ -129,7 +130,8 @@ def test_cancelled_stream_frees_its_sequence(app):
     _, name, client = app
     stream = client.generate_stream(PROMPTS[0], max_tokens=400, temperature=1.0, seed=1)
     next(stream)
-    assert _verifier_stats(name)["kv_slots_used"] >= 1
+    s = _verifier_stats(name)
+    assert s["kv_slots_used"] >= 1 and s["kv_blocks_used"] >= 1
     stream.close()  # the client cancels the call
     _wait_idle(name)
 
@@ -173,3 +175,23 @@ def test_model_info_stats_and_health(app):
             break
         time.sleep(0.5)
     assert len(stats.replicas) == 1 and stats.replicas[0].kv_slots_total == 16
+
+
+def test_get_stats_reports_the_paged_kv_pool(app):
+    """GetStats carries each replica's KV pool: blocks exist, and once the replica is idle
+    none is held by a sequence (a leak would keep some); the cluster map sums them."""
+    _, name, client = app
+    client.generate(PROMPTS[2], max_tokens=MAX_TOKENS)
+    _wait_idle(name)
+
+    def idle_pool():  # the board takes each replica's stats once a second
+        s = client.stats()
+        r = s.replicas[0] if len(s.replicas) == 1 else None
+        return s if r is not None and r.kv_blocks_total > 0 and r.kv_blocks_used == 0 and r.kv_slots_used == 0 else None
+
+    stats = wait_until(idle_pool, 15, "GetStats to report an idle KV pool")
+    r = stats.replicas[0]
+    # on CPU with kv_cache_gb unset the pool has room for max_num_seqs x max_model_len tokens
+    assert r.kv_blocks_total * 16 >= 16 * 512  # blocks x block_size, max_num_seqs x max_model_len
+    assert 0 <= r.kv_blocks_cached <= r.kv_blocks_total and r.preemptions == 0
+    assert stats.metrics["kv_blocks_total"] == r.kv_blocks_total and stats.metrics["kv_blocks_used"] == 0

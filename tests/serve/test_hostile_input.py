@@ -184,4 +184,4 @@ def test_random_requests_never_break_the_server(address, r):
 def test_nothing_left_behind(address):
     """Runs after the table and the property test (file order)."""
     s = wait_idle(APP)
-    assert s["kv_slots_used"] == 0
+    assert s["kv_slots_used"] == 0 and s["kv_blocks_used"] == 0

@@ -15,7 +15,9 @@ def _replica(gamma, drafted, accepted, obs, ttft, itl, **extra):
         f.step(o)
     f.finished(ttft, itl)
     return {"gamma": gamma, "drafted": drafted, "accepted": accepted, "running": 4, "waiting": 1,
-            "verify_tokens": 20, "prefix_queries": 10, "prefix_hits": 5, **f.snapshot(), **extra}
+            "verify_tokens": 20, "prefix_queries": 10, "prefix_hits": 5, "kv_blocks_total": 100,
+            "kv_blocks_used": 30, "kv_blocks_cached": 20, "preemptions": 2, "prefix_hit_tokens": 80,
+            **f.snapshot(), **extra}
 
 
 def test_cluster_metrics_pool_replicas():
@@ -31,8 +33,12 @@ def test_cluster_metrics_pool_replicas():
     assert m["prefix_hit_rate"] == 0.5
     assert m["ttft_ms_p50"] == 30.0 and m["itl_ms_p99"] == 3.0
     assert m["kvdir_available"] == 0.0  # one replica cannot reach the directory
+    assert m["kv_blocks_total"] == 200 and m["kv_blocks_used"] == 60 and m["kv_blocks_cached"] == 40
+    assert m["kv_blocks_used_fraction"] == pytest.approx(0.3)
+    assert m["preemptions"] == 4 and m["prefix_hit_tokens"] == 160
 
 
 def test_empty_cluster():
     m = cluster_metrics({}, inflight=0)
     assert m["acceptance_rate"] == 0.0 and m["mean_gamma"] == 0.0 and "kvdir_available" not in m
+    assert m["kv_blocks_total"] == 0 and m["kv_blocks_used_fraction"] == 0.0

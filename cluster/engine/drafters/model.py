@@ -214,7 +214,7 @@ class ModelDrafter(Drafter):
             sub = self.runner.forward([kv_rows[b] for b in rows], [lens[b] for b in rows],
                                       [[drafts[b][-1]] for b in rows], last_only=True)
             logits = logits.clone()
-            logits[rows] = sub
+            logits[rows] = sub.to(logits.dtype)
             for b in rows:
                 lens[b] += 1
         return drafts
@@ -233,9 +233,9 @@ class ModelDrafter(Drafter):
         for rows in filter(None, groups):
             part = self.runner.forward([kv_rows[b] for b in rows], [lens[b] for b in rows],
                                        [feed[b] for b in rows], last_only=True)
-            if logits is None:
-                logits = part.new_empty((len(feed), part.shape[-1]))
-            logits[rows] = part
+            if logits is None:  # fp32: graph passes give the head's dtype, eager ones fp32
+                logits = part.new_empty((len(feed), part.shape[-1]), dtype=torch.float32)
+            logits[rows] = part.float()
         return logits
 
 

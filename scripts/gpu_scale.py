@@ -1,0 +1,209 @@
+"""The paged engine where real traffic begins, on one Hopper GPU: the demo pair embedded in
+Llama-3.1-8B dimensions (cluster/engine/embedded.py), bf16, the Hopper config's engine shape
+(256 sequences, 33k-token context, 2048-token steps, prefill chunks of 512, KV from memory).
+
+    bash scripts/gpu_py.sh gpu_scale.py     # writes $OUT/gpu_scale.json
+
+PARTS (comma-separated, default all):
+- sweep: ~640-token code prompts (640 tokens of held-out code), 64..192 output tokens, c
+  requests in flight over 2c requests (at least 8), plain / fixed gamma 4 / goodput, c in
+  LEVELS (default 1,16,64,128,256). Beside each point the workload's roofline: prefill FLOPs
+  at the measured bf16 matmul rate, plus decode steps that read the weights and every live
+  sequence's KV at the measured copy bandwidth. Host work per step (step wall time minus the
+  GPU time of its CUDA-graph replays) for each mode.
+- capacity: 256 concurrent 2k-token sequences (1920-token prompts, 128 new tokens), and one
+  request of a 32,000-token prompt.
+- prefix: a shared 2k-token prompt: TTFT of requests whose prefix is cached against requests
+  with a fresh prefix, one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from cluster.bench.load import run_engine, summarise
+from cluster.bench.synthetic import copy_bandwidth, cuda_time
+from cluster.bench.workloads import code_prompts, random_token_prompts
+from cluster.engine.config import EngineConfig
+from cluster.engine.drafters.model import ModelDrafter
+from cluster.engine.drafters.ngram import NgramDrafter
+from cluster.engine.embedded import demo_8b
+from cluster.engine.engine import Engine
+from cluster.engine.sequence import SpecParams
+from cluster.policy import SpeculationPolicyConfig, make_controller
+
+OUT = os.environ.get("OUT", ".")
+DEMO = Path(__file__).resolve().parents[1] / "cluster" / "models" / "demo"
+T0 = time.time()
+REPLAYS: list = []  # (start, end) CUDA events of every graph replay
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def time_replays() -> None:
+    replay = torch.cuda.CUDAGraph.replay
+
+    def timed(self):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay(self)
+        b.record()
+        REPLAYS.append((a, b))
+
+    torch.cuda.CUDAGraph.replay = timed
+
+
+def measured(engine, fn) -> tuple[dict, dict]:
+    """fn's result, and the engine's steps, graph GPU seconds and host ms per step meanwhile."""
+    steps0, REPLAYS[:] = engine.totals["steps"], []
+    t = time.perf_counter()
+    out = fn()
+    wall = time.perf_counter() - t
+    torch.cuda.synchronize()
+    gpu = sum(a.elapsed_time(b) for a, b in REPLAYS) / 1e3
+    steps = engine.totals["steps"] - steps0
+    return out, {"steps": steps, "graph_gpu_s": gpu, "wall_s": wall, "host_ms_per_step": 1e3 * (wall - gpu) / max(steps, 1)}
+
+
+def matmul_rate() -> float:
+    a = torch.randn((8192, 8192), dtype=torch.bfloat16, device="cuda")
+    return 2 * 8192**3 / cuda_time(lambda: a @ a, 10)
+
+
+def roofline(prompt_lens: list[int], out_lens: list[int], c: int, R: dict) -> float:
+    """Output tokens per second if prefill ran at the matmul rate and every decode step read
+    the weights and the live sequences' KV at copy bandwidth (c streams, plain decoding)."""
+    prefill = sum(2 * R["param_count"] * p for p in prompt_lens) / R["matmul_flops"]
+    steps = sum(out_lens) / c
+    ctx = sum(p + o / 2 for p, o in zip(prompt_lens, out_lens)) / len(prompt_lens)
+    step_bytes = R["param_bytes"] + c * ctx * R["kv_bytes_per_token"]
+    return sum(out_lens) / (prefill + steps * step_bytes / R["copy_bandwidth"])
+
+
+def sweep(engine, R: dict) -> None:
+    tok = engine.tokenizer
+    texts = code_prompts(96, chars=2400, seed=11)
+    prompts = [ids[:640] for ids in (tok.encode(t) for t in texts) if len(ids) >= 640]
+    R["sweep_prompt_tokens"] = 640
+    levels = [int(x) for x in os.environ.get("LEVELS", "1,16,64,128,256").split(",")]
+    rng = random.Random(5)
+    lengths = [rng.randint(64, 192) for _ in range(2 * max(levels))]
+    controller = make_controller(SpeculationPolicyConfig(mode="goodput"))
+    out = R.setdefault("sweep", [])
+    for c in levels:
+        n = max(8, 2 * c)
+        reqs = [prompts[i % len(prompts)] for i in range(n)]
+        point = {"concurrency": c, "requests": n, "roofline_tokens_per_s": roofline([640] * n, lengths[:n], c, R)}
+        for name, spec in (("off", SpecParams("off")), ("fixed4", SpecParams("fixed", 4)), ("goodput", SpecParams("auto"))):
+            engine.controller = controller if name == "goodput" else None
+            run_engine(engine, reqs[:min(n, c)], c, lengths[:min(n, c)], spec)  # warm-up (and the controller)
+            (res, wall), host = measured(engine, lambda: run_engine(engine, reqs, c, lengths[:n], spec))
+            s = summarise(res, wall)
+            point[name] = {**s, **host, "preemptions": engine.scheduler.preemptions}
+        engine.controller = None
+        best = max(point["off"]["tokens_per_s"], point["fixed4"]["tokens_per_s"])
+        point["off_over_roofline"] = point["off"]["tokens_per_s"] / point["roofline_tokens_per_s"]
+        point["goodput_over_best"] = point["goodput"]["tokens_per_s"] / best
+        point["kv_blocks"] = {k: engine.stats()[k] for k in ("kv_blocks_total", "kv_blocks_used", "kv_blocks_cached")}
+        out.append(point)
+        log("sweep", c, {k: (round(v["tokens_per_s"]) if "tokens_per_s" in v else v) if isinstance(v, dict) else v
+                         for k, v in point.items()},
+            "host ms/step", {m: round(point[m]["host_ms_per_step"], 2) for m in ("off", "fixed4", "goodput")})
+        write(R)
+
+
+def capacity(engine, R: dict) -> None:
+    vocab = 4000  # the demo tokenizer's ids; any ids serve for speed
+    prompts = random_token_prompts(256, 1920, vocab, seed=3)
+    before = engine.scheduler.preemptions
+    (res, wall), host = measured(engine, lambda: run_engine(engine, prompts, 256, 128, SpecParams("off")))
+    s = summarise(res, wall)
+    R["capacity_256x2k"] = {**s, **host, "completed": len(res), "all_128_tokens": all(len(r["token_ids"]) == 128 for r in res),
+                            "preemptions": engine.scheduler.preemptions - before,
+                            "kv_blocks_total": engine.kv.pool.num_blocks, "block_size": engine.cfg.block_size}
+    log("256 x 2k:", R["capacity_256x2k"])
+    write(R)
+    long = random_token_prompts(1, 32000, vocab, seed=4)
+    (res, wall), host = measured(engine, lambda: run_engine(engine, long, 1, 64, SpecParams("off")))
+    R["one_32k"] = {**summarise(res, wall), **host, "completed": len(res), "prompt_tokens": 32000,
+                    "new_tokens": len(res[0]["token_ids"]) if res else 0}
+    log("one 32k request:", R["one_32k"])
+    write(R)
+
+
+def prefix(engine, R: dict) -> None:
+    vocab = 4000
+    shared = random_token_prompts(1, 2000, vocab, seed=7)[0]
+    suffixes = random_token_prompts(17, 16, vocab, seed=8)
+    fresh = random_token_prompts(16, 2000, vocab, seed=9)
+    run_engine(engine, [shared + suffixes[16]], 1, 8, SpecParams("off"))  # caches the shared blocks
+    hits = summarise(*run_engine(engine, [shared + s for s in suffixes[:16]], 1, 8, SpecParams("off")))
+    misses = summarise(*run_engine(engine, [f + s for f, s in zip(fresh, suffixes)], 1, 8, SpecParams("off")))
+    R["prefix_ttft"] = {"hit_ttft_ms_p50": hits["ttft_ms_p50"], "miss_ttft_ms_p50": misses["ttft_ms_p50"],
+                        "hit_over_miss": hits["ttft_ms_p50"] / misses["ttft_ms_p50"],
+                        "prefix_hit_tokens": engine.scheduler.prefix_hit_tokens}
+    log("prefix TTFT:", R["prefix_ttft"])
+    write(R)
+
+
+def write(R: dict) -> None:
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, os.environ.get("NAME", "gpu_scale") + ".json"), "w") as f:
+        json.dump(R, f, indent=1, default=str)
+
+
+def main() -> int:
+    import logging
+
+    from transformers import AutoTokenizer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    R: dict = {"device": torch.cuda.get_device_name(), "command": "bash scripts/gpu_py.sh gpu_scale.py"}
+    R["copy_bandwidth"], R["matmul_flops"] = copy_bandwidth(), matmul_rate()
+    target, draft = demo_8b(DEMO / "target", DEMO / "draft")
+    s = target.shape
+    R["param_bytes"] = sum(p.numel() * p.element_size() for p in target.parameters())
+    R["param_count"] = sum(p.numel() for p in target.parameters())
+    R["kv_bytes_per_token"] = 2 * s.layers * s.kv_heads * s.head_dim * (1 if os.environ.get("KV_CACHE_DTYPE") == "fp8" else 2)
+    log(f"copy {R['copy_bandwidth'] / 1e12:.2f} TB/s, matmul {R['matmul_flops'] / 1e12:.0f} TFLOP/s")
+    cfg = EngineConfig(max_num_seqs=256, max_model_len=33000, max_waiting=1024, max_batch_tokens=2048,
+                       prefill_chunk=512, gamma=4, gamma_max=8, device="cuda", dtype="bfloat16", compile=True,
+                       gpu_memory_utilization=float(os.environ.get("GPU_MEMORY_UTILIZATION", "0.9")),
+                       kv_cache_dtype=os.environ.get("KV_CACHE_DTYPE", "auto"))
+    R["kv_cache_dtype"] = cfg.kv_cache_dtype
+    drafter = ModelDrafter(draft, 2 * cfg.max_num_seqs, 2048)  # longer rows decode without drafts
+    tok = AutoTokenizer.from_pretrained(DEMO / "target")
+    t = time.time()
+    engine = Engine(target, tok, cfg, {"model": drafter, "ngram": NgramDrafter()}, "model", identity="demo-8b")
+    free, total = torch.cuda.mem_get_info()
+    R["engine"] = {"start_s": time.time() - t, "backend": engine.backend, "kv_blocks": engine.kv.pool.num_blocks,
+                   "kv_tokens": engine.kv.pool.num_blocks * cfg.block_size,
+                   "kv_gib": engine.kv.k.numel() * 2 * engine.kv.k.element_size() / 2**30,
+                   "free_gib_after_start": free / 2**30, "card_gib": total / 2**30}
+    log("engine:", R["engine"])
+    time_replays()
+    parts = os.environ.get("PARTS", "sweep,capacity,prefix").split(",")
+    for part in parts:
+        try:
+            {"sweep": sweep, "capacity": capacity, "prefix": prefix}[part](engine, R)
+        except Exception as e:  # noqa: BLE001 - keep what the other parts measure
+            import traceback
+
+            traceback.print_exc()
+            R.setdefault("errors", {})[part] = f"{type(e).__name__}: {e}"
+    write(R)
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
