@@ -196,7 +196,7 @@ class Engine:
         for b, (seq, n) in enumerate(chunks):
             seq.num_cached += n
             self.scheduler.settle(seq)
-            if seq.prefilled and not seq.output_ids:  # a fresh prompt's last position: its first token
+            if seq.prefilled and not seq.num_output:  # a fresh prompt's last position: its first token
                 done.append(b)
         if not done:
             return []
@@ -266,7 +266,7 @@ class Engine:
                 and not any(d.reads_hidden for d in self.drafters.values()))
 
     def _left(self, seq: Sequence) -> int:
-        return min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - len(seq.token_ids))
+        return min(seq.params.max_tokens - seq.num_output, self.max_model_len - len(seq.token_ids))
 
     @staticmethod
     def _acceptance(seqs: list[Sequence], logits: torch.Tensor, drafts: DraftOutput) -> Accepted:
@@ -275,7 +275,7 @@ class Engine:
     def _accept(self, seqs: list[Sequence], new: list[list[int]], num_draft: list[int]) -> list[Sequence]:
         now = time.perf_counter()
         for seq, toks, g in zip(seqs, new, num_draft):
-            if seq.prefilled and seq.output_ids:
+            if seq.prefilled and seq.num_output:
                 seq.stats.record(g, len(toks) - 1)
                 self.totals["verify_steps"] += 1
                 self.totals["drafted"] += g
@@ -311,7 +311,7 @@ class Engine:
             return "eos"
         if seq.detok.add(token):
             return "stop"
-        if len(seq.output_ids) >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 
@@ -322,7 +322,7 @@ class Engine:
             d.release([seq.seq_id])
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        ids = seq.output_ids[seq.sent_tokens:]
+        ids = seq.token_ids[seq.num_prompt + seq.sent_tokens:]
         seq.sent_tokens += len(ids)
         text = seq.detok.delta(final=seq.finished)
         out = RequestOutput(seq.seq_id, ids, text, seq.finished, seq.finish_reason, seq.num_prompt)

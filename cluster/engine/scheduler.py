@@ -90,7 +90,7 @@ class Scheduler:
                 return
             self.waiting.popleft()
             seq.kv, seq.num_cached, seq.status = h, hit, Status.RUNNING
-            if not seq.output_ids:  # a first admission, not a return from preemption
+            if not seq.num_output:  # a first admission, not a return from preemption
                 seq.stats.prefix_hit_tokens = hit
                 self.prefix_hit_tokens += hit
             self.running.append(seq)
@@ -100,7 +100,7 @@ class Scheduler:
         self._admit()
         budget, out = self.cfg.max_batch_tokens, []
         for seq in list(self.running):
-            if seq.prefilled or seq not in self.running:  # preempted for an earlier chunk
+            if seq.prefilled or seq.kv is None:  # preempted for an earlier chunk
                 continue
             n = min(self.cfg.prefill_chunk, seq.prefill_target - seq.num_cached, budget)
             if n <= 0:
@@ -110,7 +110,7 @@ class Scheduler:
                 break
             out.append((seq, n))
             budget -= n
-        return [(s, n) for s, n in out if s in self.running]
+        return [(s, n) for s, n in out if s.kv is not None]
 
     def schedule_verify(self, gammas: dict[str, int]) -> list[tuple[Sequence, int]]:
         """(sequence, gamma) rows whose gamma+1 tokens fit the budget (gammas shrink to fit
@@ -123,9 +123,9 @@ class Scheduler:
         cap = None
         if need > budget:
             cap = max(0, budget // len(rows) - 1)
-        out = []
+        out, preempted = [], self.preemptions
         for s in rows:
-            if s not in self.running:  # preempted to make room for an older row
+            if s.kv is None:  # preempted to make room for an older row
                 continue
             g = gammas[s.seq_id] if cap is None else min(cap, gammas[s.seq_id])
             # g + 1 positions written, and one spare for a plain step launched ahead. Short of
@@ -135,7 +135,8 @@ class Scheduler:
                 self.preempt(s)
                 continue
             out.append((s, g))
-        out = [(s, g) for s, g in out if s in self.running]
+        if self.preemptions != preempted:
+            out = [(s, g) for s, g in out if s.kv is not None]
         # rotate so a budget-limited subset does not starve the tail
         live = [s for s in self.running if s.prefilled]
         if len(out) < len(live):

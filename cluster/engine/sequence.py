@@ -74,7 +74,7 @@ class SeqStats:
         }
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's membership tests must not compare token lists
 class Sequence:
     seq_id: str
     prompt_ids: list[int]
@@ -105,11 +105,15 @@ class Sequence:
         return self.token_ids[self.num_prompt:]
 
     @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)  # not len(output_ids): no copy per call
+
+    @property
     def prefill_target(self) -> int:
         """Tokens to compute before verify steps: the whole prompt (its last position gives the
         first token), or, recomputing after preemption, all but the last token (which the next
         verify step feeds, as it would have without the preemption)."""
-        return len(self.token_ids) - 1 if self.output_ids else self.num_prompt
+        return len(self.token_ids) - 1 if self.num_output else self.num_prompt
 
     @property
     def prefilled(self) -> bool:
