@@ -91,24 +91,31 @@ def roofline(prompt_lens: list[int], out_lens: list[int], c: int, R: dict) -> fl
 
 def sweep(engine, R: dict) -> None:
     tok = engine.tokenizer
-    texts = code_prompts(96, chars=2400, seed=11)
-    prompts = [ids[:640] for ids in (tok.encode(t) for t in texts) if len(ids) >= 640]
-    R["sweep_prompt_tokens"] = 640
     levels = [int(x) for x in os.environ.get("LEVELS", "1,16,64,128,256").split(",")]
+    # distinct prompts, as many as the largest level's requests: repeated ones would be prefix
+    # hits and skip the prefill the roofline counts (the runs before this change repeated ~60)
+    # and each run (warm-up, mode) takes fresh ones, so no mode inherits another's cache
+    need = sum(3 * (max(8, 2 * c) + c) for c in levels)
+    texts = code_prompts(int(1.3 * need), chars=2400, seed=11)
+    prompts = [ids[:640] for ids in (tok.encode(t) for t in texts) if len(ids) >= 640]
+    prompts = iter({tuple(p): p for p in prompts}.values())
+    take = lambda k: [next(prompts) for _ in range(k)]  # noqa: E731
+    R["sweep_prompt_tokens"] = 640
     rng = random.Random(5)
-    lengths = [rng.randint(64, 192) for _ in range(2 * max(levels))]
+    lengths = [rng.randint(64, 192) for _ in range(max(8, 2 * max(levels)))]
     controller = make_controller(SpeculationPolicyConfig(mode="goodput"))
     out = R.setdefault("sweep", [])
     for c in levels:
         n = max(8, 2 * c)
-        reqs = [prompts[i % len(prompts)] for i in range(n)]
         point = {"concurrency": c, "requests": n, "roofline_tokens_per_s": roofline([640] * n, lengths[:n], c, R)}
         for name, spec in (("off", SpecParams("off")), ("fixed4", SpecParams("fixed", 4)), ("goodput", SpecParams("auto"))):
             engine.controller = controller if name == "goodput" else None
-            run_engine(engine, reqs[:min(n, c)], c, lengths[:min(n, c)], spec)  # warm-up (and the controller)
+            run_engine(engine, take(c), c, lengths[:c], spec)  # warm-up (and the controller)
+            reqs = take(n)
             (res, wall), host = measured(engine, lambda: run_engine(engine, reqs, c, lengths[:n], spec))
             s = summarise(res, wall)
-            point[name] = {**s, **host, "preemptions": engine.scheduler.preemptions}
+            point[name] = {**s, **host, "preemptions": engine.scheduler.preemptions,
+                           "prefix_hit_tokens": engine.scheduler.prefix_hit_tokens}
         engine.controller = None
         best = max(point["off"]["tokens_per_s"], point["fixed4"]["tokens_per_s"])
         point["off_over_roofline"] = point["off"]["tokens_per_s"] / point["roofline_tokens_per_s"]
