@@ -47,8 +47,14 @@ class ModelsConfig(_Strict):
     """Weight and activation dtype; bfloat16 on GPUs, float32 for exact CPU runs."""
     device: str = "auto"
     """'auto' (cuda when present, else cpu), 'cpu' or 'cuda'."""
-    attention: Literal["auto", "fa3", "sdpa"] = "auto"
-    """Attention backend; auto picks FA3 on Hopper, SDPA elsewhere."""
+    attention: str = "auto"
+    """Attention backend (cluster.engine.attention.BACKENDS): auto picks FA3's paged interface on
+    Hopper where the FA3 build has it, the paged Triton kernel on other CUDA, SDPA on CPU."""
+
+    @field_validator("attention")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        return EngineConfig._known_backend(v)
 
     @model_validator(mode="after")
     def _draft_needed(self):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class EngineConfig(BaseModel):
@@ -56,12 +56,21 @@ class EngineConfig(BaseModel):
     """Set from models.device: cpu or cuda."""
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", exclude=True)
     """Set from models.dtype: weights and activations."""
-    attention: Literal["auto", "fa3", "sdpa"] = Field("auto", exclude=True)
-    """Set from models.attention: the attention backend."""
+    attention: str = Field("auto", exclude=True)
+    """Set from models.attention: a backend of cluster.engine.attention.BACKENDS."""
     gamma: int = Field(4, ge=0, exclude=True)
     """Set from speculation.gamma: draft tokens for 'auto' requests when no controller is set."""
     gamma_max: int = Field(8, ge=0, exclude=True)
     """Set from speculation.gamma_max: the longest draft a step verifies (sizes graphs and slots)."""
+
+    @field_validator("attention")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        from cluster.engine.attention import BACKENDS
+
+        if v not in BACKENDS:
+            raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _consistent(self):

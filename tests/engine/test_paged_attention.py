@@ -11,3 +11,9 @@ pytest.importorskip("triton")
 
 def test_paged_attention_matches_the_reference_in_the_interpreter():
     run_check("paged_attention_check.py", "5 cases ok")
+
+
+def test_engine_on_the_paged_kernel_matches_sdpa_in_the_interpreter():
+    """The whole engine with the Triton kernel as its attention (greedy plain, speculation,
+    a pool that preempts) emits what the SDPA engine emits (tests/engine/engine_triton_check.py)."""
+    run_check("engine_triton_check.py", "8 runs identical")
