@@ -128,7 +128,7 @@ class KVDirSection(_Strict):
     overlap_weight: float = Field(1.0, ge=0)
     """Router score weight of prefix overlap (fraction of the prompt's blocks a replica holds)."""
     load_weight: float = Field(1.0, ge=0)
-    """Router score weight of load: the larger of busy KV slots and verify tokens per step,
+    """Router score weight of load: the larger of running sequences and verify tokens per step,
     each as a fraction of the replica's capacity (max_num_seqs, max_batch_tokens)."""
     max_imbalance: float = Field(2.0, ge=1)
     """Never route to a replica running more than this multiple of the least-loaded

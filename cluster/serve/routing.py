@@ -37,7 +37,7 @@ class RoutingPolicy:
     overlap_weight: float = 1.0
     load_weight: float = 1.0
     max_imbalance: float = 2.0
-    max_num_seqs: int = 32          # a replica's KV slots
+    max_num_seqs: int = 32          # sequences a replica runs at once
     max_batch_tokens: int = 512     # a replica's verify-token budget per step
 
     def load_norm(self, r: ReplicaLoad) -> float:

@@ -1,6 +1,6 @@
 """Overload, deadlines and cancellation through the real gRPC endpoint.
 
-A tiny verifier (2 KV slots, 2 waiting) behind a router that admits 6 requests: a flood
+A tiny verifier (2 sequences, 2 waiting) behind a router that admits 6 requests: a flood
 gets RESOURCE_EXHAUSTED at once past each bound and the rest complete; the engine never
 holds more than its bounds. A request cancelled or timed out while queued, prefilling or
 decoding frees its place.
