@@ -56,6 +56,7 @@ class BlockPool:
         self.block_hash: dict[int, int] = {}         # block -> hash
         self.block_tokens: dict[int, tuple[int, ...]] = {}  # block -> its tokens (hit check)
         self.stats = PoolStats()
+        self._cached_free = 0
         self.on_change: Callable[[list[int], list[int]], None] | None = None
         self.lock = threading.Lock()  # the directory publisher reads `hashes()` from its thread
 
@@ -71,8 +72,9 @@ class BlockPool:
 
     @property
     def num_cached_free(self) -> int:
-        """Free blocks that still hold a reusable prefix."""
-        return sum(1 for b in self.free if b in self.block_hash)
+        """Free blocks that still hold a reusable prefix (counted as they change: stats are
+        read every second under the engine's lock, and the free list is the whole pool)."""
+        return self._cached_free
 
     def hashes(self) -> list[int]:
         """Every cached block's hash, held or free (thread-safe)."""
@@ -162,6 +164,7 @@ class BlockPool:
     def _ref(self, b: int) -> None:
         if self.refs[b] == 0:
             del self.free[b]
+            self._cached_free -= b in self.block_hash
         self.refs[b] += 1
 
     def _unref(self, b: int) -> None:
@@ -169,12 +172,14 @@ class BlockPool:
         assert self.refs[b] >= 0, f"block {b} released twice"
         if self.refs[b] == 0:
             self.free[b] = None  # most recently freed: evicted last
+            self._cached_free += b in self.block_hash
 
     def _take(self) -> int:
         b, _ = self.free.popitem(last=False)
         self.refs[b] = 1
         h = self.block_hash.pop(b, None)
         if h is not None:  # a cached block goes to new tokens: its prefix leaves the pool
+            self._cached_free -= 1
             self.block_tokens.pop(b, None)
             with self.lock:
                 if self.cached.get(h) == b:

@@ -53,7 +53,7 @@ def test_prefix_is_shared_by_reference_and_checked_by_tokens():
     assert p.match_prefix(d, toks) == 0 and not d.blocks
     for t in (a, b, c, d):
         p.release(t)
-    assert p.num_used == 0 and p.num_cached_free == 3
+    assert p.num_used == 0 and p.num_cached_free == 3 == sum(x in p.block_hash for x in p.free)
 
 
 def test_freed_blocks_stay_cached_until_reused_lru_and_report_it():
@@ -74,7 +74,7 @@ def test_freed_blocks_stay_cached_until_reused_lru_and_report_it():
     assert events[-1] == ([], [block_hashes(toks, 4, 1)[1]])
     assert p.hashes() == [block_hashes(toks, 4, 1)[0]]
     p.release(big)
-    assert p.num_used == 0
+    assert p.num_used == 0 and p.num_cached_free == 1 == sum(x in p.block_hash for x in p.free)
 
 
 def test_blocks_cached_twice_keep_one_copy():
