@@ -34,10 +34,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
-    up = sub.add_parser("up", help="start (or join) Ray and serve the cluster over gRPC")
+    up = sub.add_parser("up", help="start (or join) Ray and serve the cluster over gRPC and HTTP (OpenAI API)")
     up.add_argument("--config", help="cluster YAML (default: embedded demo config)")
     up.add_argument("--address", help="Ray address to join (default: start a local Ray)")
     up.add_argument("--port", type=int, help="gRPC port (default from config: 9000)")
+    up.add_argument("--http-port", type=int, help="HTTP port of the OpenAI-compatible API (default from config: 8000)")
     up.add_argument("--placement", choices=["colocated", "disaggregated"])
     up.add_argument("--num-cpus", type=int, help="CPUs for a local Ray")
 
@@ -109,6 +110,8 @@ def _overrides(args) -> dict:
         o.setdefault("models", {})["draft"] = args.draft
     if getattr(args, "port", None):
         o.setdefault("network", {})["grpc_port"] = args.port
+    if getattr(args, "http_port", None):
+        o.setdefault("network", {})["http_port"] = args.http_port
     if getattr(args, "placement", None):
         o["placement"] = args.placement
     return o
@@ -122,7 +125,7 @@ def cmd_up(args) -> int:
 
     info = deploy(cfg, address=args.address, num_cpus=args.num_cpus)
     print(f"spec-cluster ready: gRPC {info['grpc']} (app {cfg.network.app_name}), "
-          f"Ray dashboard {info['dashboard'] or 'n/a'}; Ctrl-C to stop", flush=True)
+          f"HTTP (OpenAI API) {info['http']}, Ray dashboard {info['dashboard'] or 'n/a'}; Ctrl-C to stop", flush=True)
     stop = []
     for sig in (signal.SIGINT, signal.SIGTERM):  # Ray's driver setup may replace Python's SIGINT handler
         signal.signal(sig, lambda *_: stop.append(1))

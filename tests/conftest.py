@@ -49,12 +49,18 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
-def serve_grpc(ray_cluster):
-    """Serve with its gRPC proxy on one port for the session; tests deploy named apps on it
-    and send `application` metadata (several apps share the proxy)."""
+def serve_ports(ray_cluster) -> tuple[int, int]:
+    """Serve with its gRPC and HTTP proxies on one port each for the session: (grpc, http).
+    Tests deploy named apps on them; gRPC calls send `application` metadata, HTTP ones use
+    the app's route prefix (several apps share the proxies)."""
     from cluster.config import parse_config
     from cluster.serve.launch import start_serve
 
-    port = free_port()
-    start_serve(parse_config({"network": {"grpc_port": port, "http_port": free_port()}}), proxy_location="HeadOnly")
-    return port
+    ports = free_port(), free_port()
+    start_serve(parse_config({"network": {"grpc_port": ports[0], "http_port": ports[1]}}), proxy_location="HeadOnly")
+    return ports
+
+
+@pytest.fixture(scope="session")
+def serve_grpc(serve_ports) -> int:
+    return serve_ports[0]

@@ -22,7 +22,7 @@ def grpc_options(cfg: ClusterConfig) -> gRPCOptions:
 
 def deploy(cfg: ClusterConfig, address: str | None = None, num_cpus: int | None = None,
            blocking: bool = False, proxy_location: str = "EveryNode") -> dict:
-    """Returns {grpc, dashboard}; the app stays up until `shutdown()`."""
+    """Returns {grpc, http, dashboard}; the app stays up until `shutdown()`."""
     if not ray.is_initialized():
         if address is None and num_cpus is None:
             # Router, Verifier and Drafter take a logical CPU each; a laptop-sized local Ray
@@ -35,7 +35,14 @@ def deploy(cfg: ClusterConfig, address: str | None = None, num_cpus: int | None 
     run_app(cfg, blocking)
     ctx = ray.get_runtime_context()
     dashboard = getattr(ctx, "dashboard_url", None) or ray._private.worker.get_dashboard_url()
-    return {"grpc": f"localhost:{cfg.network.grpc_port}", "dashboard": f"http://{dashboard}" if dashboard else ""}
+    return {"grpc": f"localhost:{cfg.network.grpc_port}", "http": http_base_url(cfg),
+            "dashboard": f"http://{dashboard}" if dashboard else ""}
+
+
+def http_base_url(cfg: ClusterConfig) -> str:
+    """The OpenAI API's base URL: Serve's HTTP proxy routes the app's prefix to the Router."""
+    prefix = cfg.network.route_prefix.rstrip("/")
+    return f"http://localhost:{cfg.network.http_port}{prefix}/v1"
 
 
 def start_embedded_kvdir(cfg: ClusterConfig) -> ClusterConfig:

@@ -1,4 +1,5 @@
-"""The Router: the gRPC ingress behind Ray Serve's gRPC proxy.
+"""The Router: the ingress behind Ray Serve's gRPC proxy and, through the OpenAI-compatible
+routes it mixes in (cluster/serve/openai_api.py), its HTTP proxy.
 
 It decodes each request into admission's protocol-neutral input (`cluster.serve.admission`
 authenticates, validates, tokenizes and applies the limits), hands the call to a Verifier
@@ -18,6 +19,7 @@ from ray import serve
 from cluster.proto import generation_pb2 as pb
 from cluster.serve.admission import Admission, AdmissionError, GenerateInput, bearer_token
 from cluster.serve.calls import ErrorKind, RequestError, internal_error, stream_outputs
+from cluster.serve.openai_api import OpenAIRoutes, api
 from cluster.serve.stats import cluster_metrics
 from cluster.serve.wire import Undecodable
 
@@ -63,7 +65,8 @@ def _set_status(grpc_context, e: RequestError) -> None:
 
 
 @serve.deployment(name="Router")
-class Router:
+@serve.ingress(api)  # an application has one ingress, so HTTP routes live here too
+class Router(OpenAIRoutes):
     def __init__(self, config: dict, verifier, board=None):
         from cluster.config import ClusterConfig, resolve_model_path
         from cluster.engine.loader import load_tokenizer

@@ -66,6 +66,12 @@ DRAFT_ARCH = dict(
 # --------------------------------------------------------------------------
 
 
+# role-tagged turns, ending in an open assistant turn; the demo models were not trained on
+# chats, so this only makes /v1/chat/completions work, not answer well
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
 def save_model(model, tokenizer, out_dir: Path, eos_id: int) -> None:
     from transformers import GenerationConfig
 
@@ -89,6 +95,7 @@ def save_model(model, tokenizer, out_dir: Path, eos_id: int) -> None:
     tc_path = out_dir / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text())
     tc["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tc["chat_template"] = CHAT_TEMPLATE  # so the OpenAI chat endpoint can render messages
     tc_path.write_text(json.dumps(tc, indent=2) + "\n")
     if not list(out_dir.glob("*.safetensors")):
         raise RuntimeError(f"no safetensors file written in {out_dir}")
