@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.engine import fp8
+from cluster.engine.kv_cache import slot_index
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +72,7 @@ def write_kv(k, v, k_cache, v_cache, ctx: AttnContext, scale=None) -> None:
 def gather_kv(cache: torch.Tensor, ctx: AttnContext) -> torch.Tensor:
     """[B, max_kv, Hkv, D]: each row's positions 0 .. max_kv-1 through its block table."""
     pos = torch.arange(ctx.max_kv, device=cache.device)[None, :].expand(len(ctx.rows), -1)
-    return cache.view(-1, *cache.shape[2:])[ctx_slots(ctx, pos, cache.shape[1])]
-
-
-def ctx_slots(ctx: AttnContext, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    col = (positions // block_size).clamp(max=ctx.tables.shape[1] - 1)
-    return ctx.tables[ctx.rows[:, None], col].long() * block_size + positions % block_size
+    return cache.view(-1, *cache.shape[2:])[slot_index(ctx.tables, ctx.rows, pos, cache.shape[1])]
 
 
 def sdpa_mask(ctx: AttnContext, device) -> torch.Tensor:

@@ -95,7 +95,7 @@ class BlockPool:
         bs = self.block_size
         usable = (len(tokens) - 1) // bs
         hashes = block_hashes(tokens[: usable * bs], bs, self.seed)
-        self.stats.queries += len(block_hashes(tokens, bs, self.seed)) if usable else 0
+        self.stats.queries += len(tokens) // bs if usable else 0  # the prompt's full blocks
         for i, h in enumerate(hashes):
             b = self.cached.get(h)
             if b is None or self.block_tokens.get(b) != tuple(tokens[i * bs:(i + 1) * bs]):

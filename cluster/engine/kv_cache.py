@@ -126,9 +126,7 @@ class KVCache:
 
     def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat cache index (block * block_size + offset) of each position [B, T] of each row [B]."""
-        bs = self.block_size
-        col = (positions // bs).clamp(max=self.max_blocks - 1)
-        return self.tables[rows[:, None], col].long() * bs + positions % bs
+        return slot_index(self.tables, rows, positions, self.block_size)
 
     def host_slots(self, h: KVHandle, positions: list[int]) -> list[int]:
         bs = self.block_size
@@ -139,6 +137,13 @@ class KVCache:
 
     def _reset(self, row: int, start: int, end: int) -> None:
         self._updates.update({(row, i): self.scratch_block for i in range(start, end)})
+
+
+def slot_index(tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Through block tables [R, max_blocks]: the flat cache index of positions [B, T] of rows [B]
+    (positions past a table's width clamp to its last entry; no caller goes there)."""
+    col = (positions // block_size).clamp(max=tables.shape[1] - 1)
+    return tables[rows[:, None], col].long() * block_size + positions % block_size
 
 
 def block_bytes(num_layers: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -13,6 +13,8 @@ Runs on CUDA, and on CPU through Triton's interpreter (the tests compare it with
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -113,8 +115,16 @@ def _merge(Out, PartO, PartL, QLens, s_ob, s_ot, s_oh, s_pb, s_ph, s_ps, s_pm, s
 CONFIG, CONFIG_ONE_TOKEN = (128, 4, 2), (64, 4, 2)
 
 
-def num_splits(batch: int, kv_heads: int, m_tiles: int, max_kv: int, sms: int = 132) -> int:
-    """Enough programs to fill the GPU twice over, each with at least 256 keys to read."""
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(batch: int, kv_heads: int, m_tiles: int, max_kv: int, sms: int | None = None) -> int:
+    """Enough programs to fill the GPU twice over, each with at least 256 keys to read
+    (`sms`: the GPU's multiprocessors; by default the current device's)."""
+    if sms is None:
+        sms = _multiprocessors(torch.cuda.current_device()) if torch.cuda.is_available() else 132
     programs = batch * kv_heads * m_tiles
     return max(1, min(16, (2 * sms) // max(programs, 1), max_kv // 256))
 

@@ -101,12 +101,8 @@ class Sequence:
         return len(self.prompt_ids)
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt:]
-
-    @property
     def num_output(self) -> int:
-        return len(self.token_ids) - len(self.prompt_ids)  # not len(output_ids): no copy per call
+        return len(self.token_ids) - len(self.prompt_ids)
 
     @property
     def prefill_target(self) -> int:

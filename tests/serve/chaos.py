@@ -72,3 +72,23 @@ def wait_healthy(app: str, timeout_s: float = 120.0) -> None:
     wait_until(lambda: serve.status().applications[app].status == "RUNNING" and all(
         d.status == "HEALTHY" for d in serve.status().applications[app].deployments.values()),
         timeout_s, f"{app} healthy")
+
+
+def run_concurrently(fn, n: int, timeout_s: float) -> tuple[dict, list]:
+    """fn(i) for i in 0..n-1 on n threads at once: ({i: result}, [exceptions])."""
+    import threading
+
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            results[i] = fn(i)
+        except Exception as e:  # noqa: BLE001 - handed back to be asserted
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=timeout_s)
+    return results, errors

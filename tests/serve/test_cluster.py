@@ -7,7 +7,6 @@ cancelled and expired calls free their sequence; bad input gets INVALID_ARGUMENT
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
@@ -19,7 +18,7 @@ from cluster.engine.sampling import SamplingParams
 from cluster.engine.sequence import SpecParams
 from cluster.serve.build import build_engine
 from tests.conftest import HOPPER
-from tests.serve.chaos import wait_until
+from tests.serve.chaos import run_concurrently, wait_until
 
 PROMPTS = ["import os\nimport sys\n\ndef main(", "class Config:\n    def __init__(self", "for i in range(",
            "    return self._"]
@@ -82,22 +81,12 @@ def test_unary_and_stream_equal_local_engine(app, reference):
 
 def test_sixteen_concurrent_streams_complete_and_correct(app, reference):
     _, _, client = app
-    results, errors = {}, []
 
     def run(i):
-        try:
-            ids = []
-            for c in client.generate_stream(PROMPTS[i % len(PROMPTS)], max_tokens=MAX_TOKENS, speculation="auto"):
-                ids += c.token_ids
-            results[i] = ids
-        except Exception as e:  # noqa: BLE001 - collected and asserted below
-            errors.append(e)
+        return [t for c in client.generate_stream(PROMPTS[i % len(PROMPTS)], max_tokens=MAX_TOKENS,
+                                                  speculation="auto") for t in c.token_ids]
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=240)
+    results, errors = run_concurrently(run, 16, timeout_s=240)
     assert not errors
     assert len(results) == 16
     for i, ids in results.items():

@@ -8,13 +8,12 @@ finish and leave no sequence behind.
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
 from cluster.client import Client
 from cluster.config import parse_config
-from tests.serve.chaos import wait_idle
+from tests.serve.chaos import run_concurrently, wait_idle
 
 openai = pytest.importorskip("openai")
 
@@ -147,20 +146,12 @@ def test_error_statuses(oai, apps):
 
 def test_64_concurrent_chat_streams(oai):
     messages = [{"role": "user", "content": "for i in range("}]
-    results, errors = {}, []
 
     def run(i):
-        try:
-            stream = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, stream=True)
-            results[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-        except Exception as e:  # noqa: BLE001 - collected and asserted below
-            errors.append(e)
+        stream = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(64)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    results, errors = run_concurrently(run, 64, timeout_s=300)
     assert not errors, errors[:3]
     assert len(results) == 64 and len(set(results.values())) == 1 and results[0]
     stats = wait_idle(APP)
@@ -168,9 +159,15 @@ def test_64_concurrent_chat_streams(oai):
 
 
 def test_disconnect_cancels_sequence(oai):
-    stream = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, stream=True,
-                                    extra_body={"speculation": "off"})
+    """A client that leaves mid-stream stops its sequence: the verifier emits fewer tokens
+    than the same greedy request makes when it is read to the end."""
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=400, extra_body={"speculation": "off"})
+    whole = oai.completions.create(**body).usage.completion_tokens
+    assert whole > 100  # long enough to leave in the middle of
+    before = wait_idle(APP)["tokens"]
+    stream = oai.completions.create(**body, stream=True)
     next(iter(stream))
     stream.close()  # the client leaves mid-stream
     stats = wait_idle(APP, timeout_s=30)
     assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
+    assert stats["tokens"] - before < whole
