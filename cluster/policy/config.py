@@ -78,6 +78,10 @@ class SpeculationPolicyConfig(BaseModel):
     explore_every: int = Field(default=64, ge=0)
     """If every step so far had the same verify size (slope unknowable), probe another
     gamma once per this many steps; 0 disables probing."""
+    explore_budget: float = Field(default=0.02, ge=0.0, le=1.0)
+    """Probes may cost at most this fraction of the time run: what probe steps (and the
+    steps they slow down after them) took beyond steps at the chosen gamma. Where a probe is
+    dear (speculating at 256 rows costs several plain steps) probes come that much rarer."""
 
     @field_validator("mode", mode="before")
     @classmethod

@@ -26,7 +26,10 @@ per-token slope says. A draft is g sequential passes (d_pass), each with work pe
 The fits (cluster.policy.fit) span batch sizes, so costs measured at one concurrency
 predict the next. Probe steps at other gammas (see GoodputController._probe) keep every
 term measured, and a switch needs `hysteresis` more expected goodput, so gamma does not
-flap on noise.
+flap on noise. Probes are paced by what they cost: each one's measured excess over a step
+at the chosen gamma is charged, and a new probe waits while the charges exceed
+`explore_budget` of the time run (at 256 rows a speculative probe costs several plain
+steps; probing every `explore_every` steps there lost 8% of plain decoding's throughput).
 
 The model is only as good as its features, and a step's cost is not linear in them: on an
 H100 a verify pass is flat until its tokens fill the tensor cores, a draft pass at 64 rows
@@ -56,6 +59,7 @@ from cluster.policy.fit import CostFit
 REFIT_EVERY = 4  # steps between cost re-fits on the hot path (the costs drift slowly)
 DITHER_EVERY = 4  # every 4th step runs at gamma +-1 (see GoodputController._dither)
 MEASURED_FOR = 256  # steps a bucket's measured/modelled correction stays in force
+BUDGET_WINDOW = 4096  # steps over which probe charges and run time fade (the budget's window)
 CORRECT_ALPHA = 0.1  # EWMA weight of a step in a correction (its first step sets it)
 
 
@@ -148,6 +152,9 @@ class GoodputController(_Base):
         self._measured: dict[tuple[int, bool], list[float]] = {}
         self._zero_hold = 0  # steps a gamma-0 probe still holds
         self._zero_probed: dict[int, int] = {}  # bucket -> step of its last measuring probe
+        self._charge = 0  # steps still charged to the last probe (see _charged)
+        self._probe_s = 0.0  # probes' excess seconds, fading over BUDGET_WINDOW steps
+        self._run_s = 0.0  # all steps' seconds, fading the same way
         self._last = min(cfg.gamma, gmax)
         self._expected = self._expected_tokens()
 
@@ -166,8 +173,10 @@ class GoodputController(_Base):
         # Plain steps are corrected only where they run ahead (pipelined: the sustained cost);
         # lone ones are what the fit models, and a correction from the few of them probes
         # make would be noise. A drafting step after plain ones pays the drafter's catch-up.
+        seconds = obs.step_s or obs.verify_s + obs.draft_s
+        self._account(b, seconds)
         if (obs.pipelined or spec) and (self._drafted_before or not spec):
-            self._correct(b, spec, obs.step_s or obs.verify_s + obs.draft_s, obs.drafted / b, extra)
+            self._correct(b, spec, seconds, obs.drafted / b, extra)
         if obs.pipelined:  # not a lone step's cost: the fit models lone steps
             self._drafted_before = False
             return
@@ -178,6 +187,25 @@ class GoodputController(_Base):
             # every token it missed: a cost of switching, not of drafting at this gamma.
             self._draft.add([1.0, obs.gamma, obs.drafted], obs.draft_s)
         self._drafted_before = spec
+
+    def _account(self, b: int, seconds: float) -> None:
+        """Run time, and a probe's charge: its excess over a step at the chosen gamma."""
+        fade = 1.0 - 1.0 / BUDGET_WINDOW
+        self._run_s = self._run_s * fade + seconds
+        self._probe_s *= fade
+        if self._charge:
+            self._charge -= 1
+            if self._verify.n >= self.cfg.min_observations:
+                self._probe_s += max(0.0, seconds - self._step_times(b)[self._last])
+
+    def _charged(self, steps: int) -> None:
+        """A probe starts: charge its steps, and after a probe from plain decoding run ahead
+        the two steps that restart the pipeline (cluster.engine.pipeline)."""
+        self._charge = steps + (2 if self.plain_runs_ahead and not self._last else 0)
+        self._probes += 1
+
+    def _within_budget(self) -> bool:
+        return self._probe_s <= self.cfg.explore_budget * self._run_s
 
     def _correct(self, b: int, spec: bool, seconds: float, g: float, prefill: float) -> None:
         """Fold one measured step into its bucket's measured/modelled correction."""
@@ -255,6 +283,8 @@ class GoodputController(_Base):
         if self._zero_hold:
             self._zero_hold -= 1
             return 0
+        if not self._within_budget():
+            return None
         k = int(b).bit_length()
         if (self.plain_runs_ahead and self._last and self._correction(b, False) is None
                 and self._steps - self._zero_probed.get(k, -MEASURED_FOR) > MEASURED_FOR):
@@ -262,7 +292,7 @@ class GoodputController(_Base):
             # it (once per MEASURED_FOR steps: plain steps of sampled rows never run ahead).
             self._zero_probed[k] = self._steps
             self._zero_hold = 2
-            self._probes += 1
+            self._charged(3)
             return 0
         every = cfg.explore_every
         if every and self._last == 0 and max(v[1:], default=0.0) >= 0.8 * v[0]:
@@ -270,22 +300,25 @@ class GoodputController(_Base):
         if not every or self._steps % every or self._probed_at == self._steps:
             return None
         self._probed_at = self._steps
-        self._probes += 1
         if self._last == 0:
             # The best speculative gamma as predicted (at high load a short one: a probe at
             # the configured gamma would cost several plain steps), twice: the first step's
             # drafts pay the drafter's catch-up (not fitted).
             up = max(range(1, len(v)), key=v.__getitem__) if len(v) > 1 else 0
             self._probe_again = up or None
+            if up:
+                self._charged(2)
             return up or None
         up = min(cfg.gamma_max, max(self._last + 2, cfg.gamma))
         # Dithering by one alone measures the slope poorly (see the docstring).
-        turn = self._probes % 3
+        turn = (self._probes + 1) % 3
+        self._charged(1)
         if turn == 2 and self._last < cfg.gamma_max:
             return up
         if turn == 1:
             return self._last // 2
         self._zero_hold = 2 if self.plain_runs_ahead else 0
+        self._charge += self._zero_hold
         return 0
 
     def _dither(self) -> int:
@@ -329,6 +362,7 @@ class GoodputController(_Base):
             "prefill_tokens": self._prefill,
             "steps": self._steps,
             "probes": self._probes,
+            "probe_time_share": round(self._probe_s / self._run_s, 4) if self._run_s else 0.0,
             # per bucket of batch sizes (its smallest): measured over modelled step time
             "measured_over_model": {f"{1 << (k - 1)}{'/spec' if sp else '/plain'}": round(m[0], 3)
                                     for (k, sp), m in sorted(self._measured.items())
