@@ -37,7 +37,6 @@ class AttnContext:
     positions: torch.Tensor   # [B, T] absolute position of every (padded) new token
     width: int                # T, padded new tokens per row
     max_kv: int               # max over rows of cache_len + T (an upper bound in CUDA graphs)
-    slots: torch.Tensor       # [B * T] flat cache index of every (padded) new token
     write_src: torch.Tensor | None  # [N] flat index (b * T + t) of the real new tokens; None: all
     tables: torch.Tensor      # the cache's [rows, max_blocks] int32 block tables
     splits: int = 1           # key splits per row for the triton kernel (flash-decoding)
@@ -45,6 +44,7 @@ class AttnContext:
     tree_mask: torch.Tensor | None = None  # [B, T, T] bool: new token t sees new token j (tree verify)
     page_table: torch.Tensor | None = None  # [B, max_blocks] for FA3, gathered once per step
     lens_i32: torch.Tensor | None = None
+    slots: torch.Tensor | None = None  # [B * T] flat cache index of every new token (sdpa's writes)
 
     @classmethod
     def build(cls, kv, rows: list[int], cache_lens: list[int], q_lens: list[int], device) -> "AttnContext":
@@ -56,11 +56,14 @@ class AttnContext:
         if any(n < width for n in q_lens):  # index lists from the host: no sync in the layers
             src = t([b * width + i for b, n in enumerate(q_lens) for i in range(n)])
         max_kv = max(c + width for c in cache_lens)
-        return cls(rows_t, lens_t, q_t, pos, width, max_kv, kv.slots(rows_t, pos).flatten(), src, kv.tables)
+        return cls(rows_t, lens_t, q_t, pos, width, max_kv, src, kv.tables)
 
 
 def write_kv(k, v, k_cache, v_cache, ctx: AttnContext, scale=None) -> None:
     """Scatter the step's new keys/values into their blocks (e4m3 with `scale`)."""
+    if ctx.slots is None:  # once per step, shared by all layers; flat positions (a tree's are by depth)
+        flat = ctx.cache_lens[:, None] + torch.arange(ctx.width, device=ctx.rows.device)
+        ctx.slots = slot_index(ctx.tables, ctx.rows, flat, k_cache.shape[1]).flatten()
     for new, cache, j in ((k, k_cache, 1), (v, v_cache, 2)):
         rows = new.flatten(0, 1)
         slots = ctx.slots
@@ -123,13 +126,13 @@ class TritonBackend:
     def __init__(self):
         from cluster.engine import paged_attention
 
-        self.kernel = paged_attention.paged_attention
+        self.kernel, self.write = paged_attention.paged_attention, paged_attention.write_kv
 
     def __call__(self, q, k, v, k_cache, v_cache, ctx: AttnContext, scale=None) -> torch.Tensor:
         assert ctx.tree_mask is None, "the triton backend has no arbitrary masks"
-        write_kv(k, v, k_cache, v_cache, ctx, scale)
         # the scales live on the host: numbers here, constants of a captured graph
         kv_scales = None if scale is None else (float(scale[1]), float(scale[2]))
+        self.write(k, v, k_cache, v_cache, ctx.tables, ctx.rows, ctx.cache_lens, ctx.q_lens, kv_scales)
         return self.kernel(q, k_cache, v_cache, ctx.tables, ctx.rows, ctx.cache_lens, ctx.q_lens, ctx.splits,
                            kv_scales)
 

@@ -71,7 +71,7 @@ class _Graph:
         pos = self.lens[:, None] + torch.arange(width, device=self.ids.device)
         b, s = self.ids.shape[0], model.shape
         ctx = AttnContext(self.rows, self.lens, torch.full_like(self.lens, width), pos, width, kv.max_tokens,
-                          kv.slots(self.rows, pos).flatten(), None, kv.tables)
+                          None, kv.tables)
         if width <= 16:  # the context's length is not known at capture: split for the longest
             ctx.splits = num_splits(b, s.kv_heads, -(-width * (s.heads // s.kv_heads) // 64), kv.max_tokens)
         return pos, kv, ctx

@@ -6,7 +6,10 @@ head m % G), so a KV block read from memory serves all of them. Keys are found t
 sequence's block table (`tables[row, pos // block_size]`), and a query token t sees keys
 0 .. cache_len + t. Long contexts split their keys over SPLITS programs (flash-decoding);
 a second kernel merges the partial results by their log-sum-exp. An fp8 (e4m3) cache is
-dequantized on load with its per-layer scales.
+dequantized on load with its per-layer scales. `write_kv` puts a step's new keys and values
+into their blocks in one kernel per layer, finding each slot through the block table itself
+(index_put through precomputed slots took eight kernels a layer: a small draft model's pass
+is mostly kernel launches).
 
 Runs on CUDA, and on CPU through Triton's interpreter (the tests compare it with SDPA).
 """
@@ -108,6 +111,43 @@ def _merge(Out, PartO, PartL, QLens, s_ob, s_ot, s_oh, s_pb, s_ph, s_ps, s_pm, s
     t, head = offs_m // G, hkv * G + offs_m % G
     tl.store(Out + b * s_ob + t[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=m_ok[:, None])
+
+
+@triton.jit
+def _write(K, V, KC, VC, Tables, Rows, CacheLens, QLens, k_scale, v_scale,
+           s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_cb, s_cs, s_tr, max_blocks,
+           T: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, FP8: tl.constexpr):
+    pid = tl.program_id(0)
+    b, t = pid // T, pid % T
+    if t < tl.load(QLens + b):
+        pos = tl.load(CacheLens + b) + t
+        # a padded graph row may run past its table's width: the last entry (scratch) takes it
+        col = tl.minimum(pos // BS, max_blocks - 1)
+        blk = tl.load(Tables + tl.load(Rows + b) * s_tr + col).to(tl.int64)
+        offs = tl.arange(0, HKV * D)
+        head, d = offs // D, offs % D
+        dst = blk * s_cb + (pos % BS) * s_cs + offs
+        k = tl.load(K + b * s_kb + t * s_kt + head * s_kh + d)
+        v = tl.load(V + b * s_vb + t * s_vt + head * s_vh + d)
+        if FP8:  # e4m3, saturating at +-448 as cluster.engine.fp8.quantize
+            k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
+            v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
+        tl.store(KC + dst, k.to(KC.dtype.element_ty))
+        tl.store(VC + dst, v.to(VC.dtype.element_ty))
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+             rows: torch.Tensor, cache_lens: torch.Tensor, q_lens: torch.Tensor,
+             kv_scales: tuple[float, float] | None = None) -> None:
+    """k, v [B, T, Hkv, D] (each with D contiguous): row b's first q_lens[b] tokens go to positions
+    cache_lens[b] .. of table row rows[b] of one layer's caches [blocks, block_size, Hkv, D]."""
+    B, T, HKV, D = k.shape
+    assert k.stride(3) == v.stride(3) == 1 and k_cache.is_contiguous()
+    fp8 = kv_scales is not None
+    k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
+    _write[(B * T,)](k, v, k_cache, v_cache, tables, rows, cache_lens, q_lens, k_scale, v_scale,
+                     *k.stride()[:3], *v.stride()[:3], k_cache.stride(0), k_cache.stride(1), tables.stride(0),
+                     tables.shape[1], T=T, HKV=HKV, D=D, BS=k_cache.shape[1], FP8=fp8, num_warps=1)
 
 
 # (BLOCK_N, warps, stages): the fastest of a sweep on an H100 at 8B shapes, 8k context, batch 64

@@ -1,5 +1,6 @@
 """Run by test_paged_attention.py in a process of its own, with TRITON_INTERPRET=1: the
-paged-attention kernel against a float64 reference over keys gathered through block tables."""
+paged-attention kernel against a float64 reference over keys gathered through block tables,
+and the fused key/value write against writes through slots computed in PyTorch."""
 
 import random
 import sys
@@ -12,7 +13,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gemv_check import interpreter_works, numpy24_index  # noqa: E402
 
 numpy24_index()
-from cluster.engine.paged_attention import paged_attention  # noqa: E402
+from cluster.engine import fp8 as fp8_kv  # noqa: E402
+from cluster.engine.kv_cache import slot_index  # noqa: E402
+from cluster.engine.paged_attention import paged_attention, write_kv  # noqa: E402
 
 
 def reference(q, kc, vc, tables, rows, cache_lens, q_lens, kv_scales):
@@ -66,7 +69,46 @@ def main() -> int:
             if not err < 1e-5:
                 print(f"case {(B, T, H, HKV, D, BS, splits, fp8)} row {b}: relative error {err}")
                 return 1
-    print(f"{len(cases)} cases ok")
+    print(f"{len(cases)} attention cases ok")
+    return check_writes()
+
+
+def check_writes() -> int:
+    """Each real new token lands in its slot (e4m3-quantized where the cache is fp8); padded
+    tokens (t >= q_len) and every other slot stay untouched; k and v may be views of one
+    projection with strides of their own."""
+    torch.manual_seed(1)
+    for B, T, HKV, D, BS, fp8 in ((3, 4, 2, 16, 4, False), (2, 1, 1, 32, 8, False), (4, 3, 2, 16, 4, True)):
+        blocks, max_blocks = 32, 10
+        dtype = torch.float8_e4m3fn if fp8 else torch.float32
+        kc, vc = torch.zeros(blocks + 1, BS, HKV, D, dtype=dtype), torch.zeros(blocks + 1, BS, HKV, D, dtype=dtype)
+        tables = torch.full((B + 1, max_blocks), blocks, dtype=torch.int32)
+        tables[:B] = torch.randperm(blocks)[:B * max_blocks // 2].view(B, -1).repeat(1, 2)[:, :max_blocks].int()
+        rows = torch.randperm(B)
+        cache_lens = torch.randint(0, 4 * BS, (B,))
+        q_lens = torch.randint(1, T + 1, (B,))
+        qkv = torch.randn(B, T, 3 * HKV, D)  # k and v as views of one projection, as the model has them
+        k, v = qkv[:, :, HKV:2 * HKV], qkv[:, :, 2 * HKV:]
+        # fp8: scales of powers of two and values e4m3 holds exactly, so no rounding is asked
+        # of the interpreter's e4m3 cast (it rounds some values near a binade's top one down
+        # a whole binade: 7.9 -> 4; the GPU's cast does not)
+        scales = (0.03125, 0.0625) if fp8 else None
+        if fp8:
+            qkv = qkv.clamp(-8, 8).to(torch.float8_e4m3fn).float() / 16
+            k, v = qkv[:, :, HKV:2 * HKV], qkv[:, :, 2 * HKV:]
+        write_kv(k, v, kc, vc, tables, rows, cache_lens, q_lens, scales)
+        pos = cache_lens[:, None] + torch.arange(T)
+        slots = slot_index(tables, rows, pos, BS)
+        want_k, want_v = torch.zeros_like(kc).view(-1, HKV, D), torch.zeros_like(vc).view(-1, HKV, D)
+        for b in range(B):
+            n = int(q_lens[b])
+            for new, want, s in ((k, want_k, 0.03125), (v, want_v, 0.0625)):
+                want[slots[b, :n]] = fp8_kv.quantize(new[b, :n], torch.tensor(s)) if fp8 else new[b, :n]
+        for got, want in ((kc, want_k), (vc, want_v)):
+            if not torch.equal(got.view(-1, HKV, D).float(), want.float()):
+                print(f"write case {(B, T, HKV, D, BS, fp8)}: cache differs from the reference")
+                return 1
+    print("write cases ok")
     return 0
 
 
