@@ -5,8 +5,8 @@ Llama-3.1-8B dimensions (cluster/engine/embedded.py), bf16, the Hopper config's 
     bash scripts/gpu_py.sh gpu_scale.py     # writes $OUT/gpu_scale.json
 
 PARTS (comma-separated, default all):
-- sweep: ~640-token code prompts (640 tokens of held-out code), 64..192 output tokens, c
-  requests in flight over 2c requests (at least 8), plain / fixed gamma 4 / goodput, c in
+- sweep: ~640-token code prompts (640 tokens of held-out code, each request its own), 64..192
+  output tokens, c requests in flight over 2c requests (at least 16), plain / fixed gamma 4 / goodput, c in
   LEVELS (default 1,16,64,128,256). Beside each point the workload's roofline: prefill FLOPs
   at the measured bf16 matmul rate, plus decode steps that read the weights and every live
   sequence's KV at the measured copy bandwidth. Host work per step (step wall time minus the
@@ -95,27 +95,39 @@ def sweep(engine, R: dict) -> None:
     # distinct prompts, as many as the largest level's requests: repeated ones would be prefix
     # hits and skip the prefill the roofline counts (the runs before this change repeated ~60)
     # and each run (warm-up, mode) takes fresh ones, so no mode inherits another's cache
-    need = sum(3 * (max(8, 2 * c) + c) for c in levels)
-    texts = code_prompts(int(1.3 * need), chars=2400, seed=11)
-    prompts = [ids[:640] for ids in (tok.encode(t) for t in texts) if len(ids) >= 640]
-    prompts = iter({tuple(p): p for p in prompts}.values())
+    need = sum(3 * (max(16, 2 * c) + c) for c in levels)
+    distinct: dict[tuple, list[int]] = {}
+    for seed in range(11, 40):  # many windows end early (a file's tail): draw until there are enough
+        texts = code_prompts(need, chars=4000, seed=seed)
+        distinct.update((tuple(ids[:640]), ids[:640]) for ids in (tok.encode(t) for t in texts) if len(ids) >= 640)
+        if len(distinct) >= need:
+            break
+    log(f"{len(distinct)} distinct prompts for {need} requests")
+    prompts = iter(distinct.values())
     take = lambda k: [next(prompts) for _ in range(k)]  # noqa: E731
     R["sweep_prompt_tokens"] = 640
     rng = random.Random(5)
-    lengths = [rng.randint(64, 192) for _ in range(max(8, 2 * max(levels)))]
+    lengths = [rng.randint(64, 192) for _ in range(max(16, 2 * max(levels)))]
     controller = make_controller(SpeculationPolicyConfig(mode="goodput"))
     out = R.setdefault("sweep", [])
     for c in levels:
-        n = max(8, 2 * c)
+        n = max(16, 2 * c)
         point = {"concurrency": c, "requests": n, "roofline_tokens_per_s": roofline([640] * n, lengths[:n], c, R)}
         for name, spec in (("off", SpecParams("off")), ("fixed4", SpecParams("fixed", 4)), ("goodput", SpecParams("auto"))):
             engine.controller = controller if name == "goodput" else None
             run_engine(engine, take(c), c, lengths[:c], spec)  # warm-up (and the controller)
             reqs = take(n)
+            trace: list = []  # per step: batch, gamma, drafted, accepted, step ms (the controller's inputs)
+            engine.on_verify = lambda o: trace.append(  # noqa: B023 - read before the next mode
+                (o.batch_size, o.gamma, o.drafted, sum(o.accepted_per_position), round(1e3 * o.step_s, 2)))
             (res, wall), host = measured(engine, lambda: run_engine(engine, reqs, c, lengths[:n], spec))
+            engine.on_verify = None
             s = summarise(res, wall)
             point[name] = {**s, **host, "preemptions": engine.scheduler.preemptions,
                            "prefix_hit_tokens": engine.scheduler.prefix_hit_tokens}
+            if name == "goodput":
+                point[name]["controller"] = controller.snapshot()
+                point[name]["trace"] = trace
         engine.controller = None
         best = max(point["off"]["tokens_per_s"], point["fixed4"]["tokens_per_s"])
         point["off_over_roofline"] = point["off"]["tokens_per_s"] / point["roofline_tokens_per_s"]
