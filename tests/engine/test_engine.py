@@ -313,6 +313,27 @@ def test_model_drafter_batched_catch_up_matches_one_row_at_a_time(random_models,
         assert got == want and all(len(t) == 4 for t in got)
 
 
+def test_model_drafter_catch_up_past_a_chunk_goes_a_chunk_at_a_time(random_models, tokenizer, monkeypatch):
+    """A catch-up longer than a chunk (a new prompt, a return from plain decoding) runs in
+    chunk-wide passes (graph widths on a GPU): the same drafts as one pass over it all."""
+    from cluster.engine.drafters import model as model_drafter
+    from cluster.engine.drafters.base import DraftRequest
+
+    draft = load_model(random_models["llama_draft"], torch.float32, "cpu")
+    chunked, whole = ModelDrafter(draft, 4, 256), ModelDrafter(draft, 4, 256)
+    passes = []
+    forward = chunked.runner.forward
+    monkeypatch.setattr(chunked.runner, "forward", lambda rows, lens, toks, **kw: passes.append(
+        [len(t) for t in toks]) or forward(rows, lens, toks, **kw))
+    reqs = [DraftRequest("a", list(range(3, 203)), 4), DraftRequest("b", list(range(50, 120)), 4)]
+    want = whole.propose(reqs).tokens
+    monkeypatch.setattr(model_drafter, "CHUNK", 32)
+    assert chunked.propose(reqs).tokens == want
+    assert passes[:3] == [[32, 32], [32, 32], [32]], passes  # a: 200 = 6 x 32 + 8; b: 70 = 2 x 32 + 6
+    more = [DraftRequest(r.seq_id, r.token_ids + list(range(7, 107)), 4) for r in reqs]  # back from plain decoding
+    assert chunked.propose(more).tokens == whole.propose(more).tokens
+
+
 def test_runner_warm_up_touches_only_the_scratch_slot(random_models, tokenizer):
     """The start-up pass over every kernel variant (Runner.warm_up) writes KV of the scratch
     slot only: a drafter warmed up with sequences cached drafts exactly as one never warmed."""

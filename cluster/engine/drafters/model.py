@@ -220,6 +220,17 @@ class ModelDrafter(Drafter):
         return drafts
 
     def _catch_up(self, kv_rows, lens, feed) -> torch.Tensor:
+        lens, feed = list(lens), list(feed)
+        # Rows past a chunk (a new prompt, a return from plain decoding) first go a chunk at a
+        # time: a pass of any other width runs eagerly, and a compiled piece meets a new length
+        # there (a recompile: 150 ms steps on an H100 while a controller turned drafts on).
+        while long := [b for b, f in enumerate(feed) if len(f) > CHUNK]:
+            for i in range(0, len(long), CATCHUP_TOKENS // CHUNK):
+                rows = long[i:i + CATCHUP_TOKENS // CHUNK]
+                self.runner.forward([kv_rows[b] for b in rows], [lens[b] for b in rows],
+                                    [feed[b][:CHUNK] for b in rows], last_only=True)
+            for b in long:
+                lens[b], feed[b] = lens[b] + CHUNK, feed[b][CHUNK:]
         groups = [[b for b, f in enumerate(feed) if len(f) <= CATCHUP]]
         cap = self.kv.max_tokens
         for b in sorted((b for b, f in enumerate(feed) if len(f) > CATCHUP), key=lambda b: len(feed[b])):
