@@ -53,6 +53,7 @@ def build_request(
     drafter: str = "",
     model: str = "",
     request_id: str = "",
+    logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     """Build a GenerateRequest; None leaves an optional field unset (server default)."""
     if drafter and drafter not in DRAFTERS:
@@ -66,7 +67,8 @@ def build_request(
         model=model,
         request_id=request_id,
     )
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
+                        ("logprobs", logprobs)):
         if value is not None:
             setattr(request, name, value)
     return request

@@ -6,7 +6,7 @@ import importlib
 import sys
 
 BENCHES = {
-    "load": ("cluster.bench.load", "workloads x concurrency sweep, in-process or via gRPC; --baseline hf"),
+    "load": ("cluster.bench.load", "concurrency sweep: in-process, via gRPC or the OpenAI API; --baseline hf"),
     "engine": ("cluster.bench.engine_bench", "single-stream engine speed: off / n-gram / draft model x gamma"),
     "medusa": ("cluster.bench.medusa_bench", "Medusa heads (tree sizes) against the n-gram and draft-model drafters"),
     "serve": ("cluster.bench.serve_bench", "through Ray Serve + gRPC: colocated vs disaggregated drafting"),

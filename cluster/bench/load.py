@@ -1,11 +1,15 @@
-"""`spec-cluster bench load`: a workload at a sweep of concurrency levels, in-process or
-through a running cluster's gRPC endpoint, with an optional Hugging Face baseline.
+"""`spec-cluster bench load`: a workload at a sweep of concurrency levels, in-process,
+through a running cluster's gRPC endpoint, or through its OpenAI-compatible HTTP endpoint,
+with an optional Hugging Face baseline.
 
     spec-cluster bench load --workload code --concurrency 1,4,16 --speculation auto
     spec-cluster bench load --address localhost:9000 --workload shared-prefix
+    spec-cluster bench load --api openai --base-url http://localhost:8000/spec/v1 --concurrency 1,8,32
     spec-cluster bench load --workload trace:requests.jsonl --mask --baseline hf
 
 Per point: tokens/s, TTFT and inter-token latency p50/p99, acceptance, mean accepted length.
+gRPC points take TTFT/ITL from the server's per-request timing; OpenAI points measure them
+on the SSE stream, as a client sees them (cluster/bench/openai_load.py), and add TPOT.
 Output: JSON and a PNG in --out.
 """
 
@@ -59,7 +63,9 @@ def summarise(results: list[dict], wall: float) -> dict:
             "itl_ms_p50": statistics.median([r["timing"]["itl_ms_p50"] for r in results]),
             "itl_ms_p99": _pct([r["timing"]["itl_ms_p99"] for r in results], 0.99),
             "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_accepted_len": (accepted + steps) / steps if steps else 1.0}
+            "mean_accepted_len": (accepted + steps) / steps if steps else 1.0,
+            **({"tpot_ms_p50": _pct([r["timing"]["tpot_ms"] for r in results], 0.5)}
+               if results and "tpot_ms" in results[0]["timing"] else {})}
 
 
 def run_engine(engine, prompts, concurrency: int, max_tokens: int | list[int], spec) -> tuple[list[dict], float]:
@@ -146,17 +152,25 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--speculation", default="auto", help="off | auto | K")
+    ap.add_argument("--api", choices=["grpc", "openai"], default="grpc",
+                    help="how to reach a running cluster: gRPC (--address) or the OpenAI API (--base-url)")
     ap.add_argument("--address", help="gRPC address of a running cluster (default: in-process engine)")
     ap.add_argument("--application")
+    ap.add_argument("--base-url", help="OpenAI API base URL, e.g. http://localhost:8000/spec/v1")
+    ap.add_argument("--api-key", default="unused", help="OpenAI API key (Bearer), where router.api_keys are set")
+    ap.add_argument("--model", help="model name for the OpenAI API (default: the first of /v1/models)")
     ap.add_argument("--config", help="cluster YAML for the in-process engine")
     ap.add_argument("--baseline", choices=["hf"], help="also run Hugging Face generate on the same model")
     ap.add_argument("--out", default="benchmarks/load")
     args = ap.parse_args(argv)
+    if args.api == "openai" and not args.base_url:
+        ap.error("--api openai needs --base-url")
+    remote = args.address or args.api == "openai"
     spec_arg = args.speculation if args.speculation in ("off", "auto") else int(args.speculation)
     prompts = load_workload(args.workload, args.requests, args.mask)
     levels = [int(c) for c in args.concurrency.split(",")]
     points, engine, cfg = [], None, None
-    if not args.address:
+    if not remote:
         from cluster.config import load_config, resolve_model_path
         from cluster.engine.sequence import SpecParams
         from cluster.serve.build import build_engine
@@ -168,12 +182,16 @@ def main(argv=None) -> int:
     for c in tqdm(levels, desc=f"bench load ({args.workload})"):
         if engine is not None:
             res, wall = run_engine(engine, prompts, c, args.max_tokens, spec)
+        elif args.api == "openai":
+            from cluster.bench.openai_load import run_openai
+
+            res, wall = run_openai(args.base_url, args.api_key, args.model, prompts, c, args.max_tokens, spec_arg)
         else:
             res, wall = run_grpc(args.address, args.application, prompts, c, args.max_tokens, spec_arg)
         points.append({"concurrency": c, **summarise(res, wall)})
         tqdm.write(json.dumps(points[-1]))
     data = {"workload": args.workload, "speculation": args.speculation, "max_tokens": args.max_tokens,
-            "mode": "grpc" if args.address else "engine", "points": points}
+            "mode": args.api if remote else "engine", "points": points}
     if args.baseline == "hf" and cfg is not None:
         data["baseline"] = hf_baseline(resolve_model_path(cfg.models.target),
                                        resolve_model_path(cfg.models.draft) if cfg.models.draft else None,

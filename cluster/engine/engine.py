@@ -19,15 +19,16 @@ from pathlib import Path
 import torch
 
 from cluster.engine import fp8
-from cluster.engine.attention import make_backend
 from cluster.engine.acceptance import Accepted, accept
+from cluster.engine.attention import make_backend
 from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.base import Drafter, DraftOutput
 from cluster.engine.drafting import DraftPlanner
 from cluster.engine.hashing import model_seed
 from cluster.engine.kv_cache import KVCache
-from cluster.engine.memory import num_kv_blocks
 from cluster.engine.loader import load_model, load_tokenizer
+from cluster.engine.logprobs import emitted_logprobs
+from cluster.engine.memory import num_kv_blocks
 from cluster.engine.model import CausalLM, compile_kernels
 from cluster.engine.observation import StepObservation, observation
 from cluster.engine.pipeline import DecodePipeline
@@ -201,8 +202,10 @@ class Engine:
         if not done:
             return []
         rows = [seqs[b] for b in done]
-        first = self._acceptance(rows, logits[done][:, None], DraftOutput([[]] * len(done), [], []))
-        return self._keep_hidden(self._accept(rows, first.tokens, [0] * len(done)), hidden[done])
+        last = logits[done][:, None]
+        first = self._acceptance(rows, last, DraftOutput([[]] * len(done), [], []))
+        lps = self._logprobs(rows, last, first)
+        return self._keep_hidden(self._accept(rows, first.tokens, [0] * len(done), lps), hidden[done])
 
     def _gammas(self) -> dict[str, int]:
         rows = [s for s in self.scheduler.running if s.prefilled]
@@ -243,7 +246,8 @@ class Engine:
                         keep_path(self.kv, s.kv, s.num_cached, result.paths[b])
             out = result.tokens
             ends = [result.last_fed(b) for b in range(len(seqs))]
-            accepted = self._keep_hidden(self._accept(seqs, out, [len(d) for d in drafts.tokens]), hidden, ends)
+            lps = self._logprobs(seqs, logits, result)
+            accepted = self._keep_hidden(self._accept(seqs, out, [len(d) for d in drafts.tokens], lps), hidden, ends)
         t2 = time.perf_counter()
         self.totals["draft_s"] += t1 - t0
         self.totals["verify_s"] += t2 - t1
@@ -263,7 +267,19 @@ class Engine:
         """Greedy plain decoding on CUDA graphs runs a step ahead (cluster.engine.pipeline);
         not where a drafter reads the target's hidden states, which that path skips."""
         return (self.pipeline is not None and not any(drafts.tokens) and self.pipeline.eligible(seqs)
-                and not any(d.reads_hidden for d in self.drafters.values()))
+                and not any(d.reads_hidden for d in self.drafters.values())
+                and all(s.params.logprobs is None for s in seqs))  # it keeps no logits
+
+    @staticmethod
+    def _logprobs(seqs: list[Sequence], logits: torch.Tensor, result: Accepted) -> list | None:
+        """Each row's emitted tokens' log-probabilities where its request asked: token i was
+        drawn at the feed position after accepted node i-1 (the root for i = 0), for chains
+        and trees alike."""
+        wants = [s.params.logprobs for s in seqs]
+        if all(k is None for k in wants):
+            return None
+        feeds = [[0] + [p + 1 for p in path] for path in result.paths]
+        return emitted_logprobs(logits, wants, result.tokens, feeds)
 
     def _left(self, seq: Sequence) -> int:
         return min(seq.params.max_tokens - seq.num_output, self.max_model_len - len(seq.token_ids))
@@ -272,9 +288,11 @@ class Engine:
     def _acceptance(seqs: list[Sequence], logits: torch.Tensor, drafts: DraftOutput) -> Accepted:
         return accept(logits, [s.params for s in seqs], [s.generator for s in seqs], drafts)
 
-    def _accept(self, seqs: list[Sequence], new: list[list[int]], num_draft: list[int]) -> list[Sequence]:
+    def _accept(self, seqs: list[Sequence], new: list[list[int]], num_draft: list[int],
+                logprobs: list | None = None) -> list[Sequence]:
         now = time.perf_counter()
-        for seq, toks, g in zip(seqs, new, num_draft):
+        for b, (seq, toks, g) in enumerate(zip(seqs, new, num_draft)):
+            lps = logprobs[b] if logprobs is not None else None
             if seq.prefilled and seq.num_output:
                 seq.stats.record(g, len(toks) - 1)
                 self.totals["verify_steps"] += 1
@@ -284,8 +302,10 @@ class Engine:
             if seq.stats.first_token is None:
                 seq.stats.first_token = now
             seq.stats.token_times.append(now)
-            for t in toks:
+            for i, t in enumerate(toks):
                 seq.token_ids.append(t)
+                if lps is not None:  # kept in step with token_ids: a stop below drops the rest of both
+                    seq.logprobs.append(lps[i])
                 self.totals["tokens"] += 1
                 reason = self._stop_reason(seq, t)
                 if reason:
@@ -326,6 +346,8 @@ class Engine:
         seq.sent_tokens += len(ids)
         text = seq.detok.delta(final=seq.finished)
         out = RequestOutput(seq.seq_id, ids, text, seq.finished, seq.finish_reason, seq.num_prompt)
+        if seq.params.logprobs is not None:
+            out.logprobs = seq.logprobs[seq.sent_tokens - len(ids):seq.sent_tokens]
         if seq.finished:
             out.stats = seq.stats.summary()
             self.seqs.pop(seq.seq_id, None)
@@ -337,13 +359,14 @@ class Engine:
         """Run prompts to completion; returns one dict per prompt (text, token_ids, finish_reason, spec, timing)."""
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, sp, spec, drafter) for p, sp in zip(prompts, plist)]
-        results = {i: {"text": "", "token_ids": []} for i in ids}
+        results = {i: {"text": "", "token_ids": [], "logprobs": []} for i in ids}
         while self.has_work:
             for o in self.step():
                 if o.seq_id in results:
                     r = results[o.seq_id]
                     r["text"] += o.text
                     r["token_ids"] += o.token_ids
+                    r["logprobs"] += o.logprobs or []
                     if o.finished:
                         r.update(finish_reason=o.finish_reason, prompt_tokens=o.num_prompt, **o.stats)
         return [results[i] for i in ids]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.engine.logprobs import MAX_LOGPROBS
 
 MAX_STOP, MAX_STOP_CHARS = 16, 128
 
@@ -29,6 +30,9 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # the target's log-probability of each emitted token and its `logprobs` most likely
+    # alternatives (cluster.engine.logprobs); None: not computed
+    logprobs: int | None = None
 
     def validate(self) -> None:
         def bad(name, why):
@@ -48,6 +52,9 @@ class SamplingParams:
             bad("stop", "must be a list of non-empty strings")
         if len(self.stop) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stop):
             bad("stop", f"allows at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

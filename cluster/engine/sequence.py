@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cluster.engine.kv_cache import KVHandle
+from cluster.engine.logprobs import TokenLogprob
 from cluster.engine.sampling import SamplingParams
 
 
@@ -92,6 +93,8 @@ class Sequence:
     # (len(token_ids) when taken, the target's last hidden state [D] there): kept only while a
     # drafter reads hidden states (Drafter.reads_hidden), and only fresh while the length still matches
     hidden: tuple[int, torch.Tensor] | None = None
+    # one per output token while params.logprobs is set (a preemption recomputes KV, never these)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)
@@ -130,3 +133,4 @@ class RequestOutput:
     finish_reason: str | None = None
     num_prompt: int = 0
     stats: dict | None = None       # SeqStats.summary() on the final output
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fspeccluster/v1/generation.proto\x12\x0especcluster.v1\"\x83\x01\n\x0bSpeculation\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .speccluster.v1.Speculation.Mode\x12\r\n\x05gamma\x18\x02 \x01(\x05\"5\n\x04Mode\x12\x0f\n\x0bUNSPECIFIED\x10\x00\x12\x08\n\x04\x41UTO\x10\x01\x12\x07\n\x03OFF\x10\x02\x12\t\n\x05\x46IXED\x10\x03\"\xab\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x30\n\x0bspeculation\x18\x08 \x01(\x0b\x32\x1b.speccluster.v1.Speculation\x12\x0f\n\x07\x64rafter\x18\t \x01(\t\x12\r\n\x05model\x18\n \x01(\t\x12\x12\n\nrequest_id\x18\x0b \x01(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x9d\x01\n\tSpecStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x03 \x01(\x02\x12\x19\n\x11mean_accepted_len\x18\x04 \x01(\x02\x12\x14\n\x0cper_position\x18\x05 \x03(\x02\x12\r\n\x05gamma\x18\x06 \x01(\x05\x12\x14\n\x0cverify_steps\x18\x07 \x01(\x03\"S\n\x06Timing\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x02\x12\x12\n\nitl_ms_p50\x18\x02 \x01(\x02\x12\x12\n\nitl_ms_p99\x18\x03 \x01(\x02\x12\x10\n\x08total_ms\x18\x04 \x01(\x02\"\xc3\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\'\n\x04spec\x18\x04 \x01(\x0b\x32\x19.speccluster.v1.SpecStats\x12&\n\x06timing\x18\x05 \x01(\x0b\x32\x16.speccluster.v1.Timing\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12\x0f\n\x07replica\x18\x07 \x01(\t\"\xa7\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\'\n\x04spec\x18\x05 \x01(\x0b\x32\x19.speccluster.v1.SpecStats\x12&\n\x06timing\x18\x06 \x01(\x0b\x32\x16.speccluster.v1.Timing\"\x12\n\x10ModelInfoRequest\"\xb2\x01\n\tModelInfo\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x11\n\tplacement\x18\x08 \x01(\t\"\x0e\n\x0cStatsRequest\"\xc3\x02\n\x0cReplicaStats\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\r\n\x05gamma\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x02\x12\x15\n\rverify_tokens\x18\x06 \x01(\x03\x12\x15\n\rkv_slots_used\x18\x07 \x01(\x03\x12\x16\n\x0ekv_slots_total\x18\x08 \x01(\x03\x12\x17\n\x0fprefix_hit_rate\x18\t \x01(\x02\x12\x17\n\x0fkv_blocks_total\x18\n \x01(\x03\x12\x16\n\x0ekv_blocks_used\x18\x0b \x01(\x03\x12\x18\n\x10kv_blocks_cached\x18\x0c \x01(\x03\x12\x13\n\x0bpreemptions\x18\r \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x0e \x01(\x03\"\x9c\x01\n\x05Stats\x12\x33\n\x07metrics\x18\x01 \x03(\x0b\x32\".speccluster.v1.Stats.MetricsEntry\x12.\n\x08replicas\x18\x02 \x03(\x0b\x32\x1c.speccluster.v1.ReplicaStats\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xbd\x02\n\nGeneration\x12M\n\x08Generate\x12\x1f.speccluster.v1.GenerateRequest\x1a .speccluster.v1.GenerateResponse\x12R\n\x0eGenerateStream\x12\x1f.speccluster.v1.GenerateRequest\x1a\x1d.speccluster.v1.GenerateChunk0\x01\x12K\n\x0cGetModelInfo\x12 .speccluster.v1.ModelInfoRequest\x1a\x19.speccluster.v1.ModelInfo\x12?\n\x08GetStats\x12\x1c.speccluster.v1.StatsRequest\x1a\x15.speccluster.v1.Statsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fspeccluster/v1/generation.proto\x12\x0especcluster.v1\"\x83\x01\n\x0bSpeculation\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .speccluster.v1.Speculation.Mode\x12\r\n\x05gamma\x18\x02 \x01(\x05\"5\n\x04Mode\x12\x0f\n\x0bUNSPECIFIED\x10\x00\x12\x08\n\x04\x41UTO\x10\x01\x12\x07\n\x03OFF\x10\x02\x12\t\n\x05\x46IXED\x10\x03\"\xcf\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x30\n\x0bspeculation\x18\x08 \x01(\x0b\x32\x1b.speccluster.v1.Speculation\x12\x0f\n\x07\x64rafter\x18\t \x01(\t\x12\r\n\x05model\x18\n \x01(\t\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x04\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"Z\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\'\n\x03top\x18\x03 \x03(\x0b\x32\x1a.speccluster.v1.TopLogprob\"\x9d\x01\n\tSpecStats\x12\x0f\n\x07\x64rafted\x18\x01 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x03 \x01(\x02\x12\x19\n\x11mean_accepted_len\x18\x04 \x01(\x02\x12\x14\n\x0cper_position\x18\x05 \x03(\x02\x12\r\n\x05gamma\x18\x06 \x01(\x05\x12\x14\n\x0cverify_steps\x18\x07 \x01(\x03\"S\n\x06Timing\x12\x0f\n\x07ttft_ms\x18\x01 \x01(\x02\x12\x12\n\nitl_ms_p50\x18\x02 \x01(\x02\x12\x12\n\nitl_ms_p99\x18\x03 \x01(\x02\x12\x10\n\x08total_ms\x18\x04 \x01(\x02\"\xf3\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\'\n\x04spec\x18\x04 \x01(\x0b\x32\x19.speccluster.v1.SpecStats\x12&\n\x06timing\x18\x05 \x01(\x0b\x32\x16.speccluster.v1.Timing\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12\x0f\n\x07replica\x18\x07 \x01(\t\x12.\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1c.speccluster.v1.TokenLogprob\"\xd7\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05\x66inal\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\'\n\x04spec\x18\x05 \x01(\x0b\x32\x19.speccluster.v1.SpecStats\x12&\n\x06timing\x18\x06 \x01(\x0b\x32\x16.speccluster.v1.Timing\x12.\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1c.speccluster.v1.TokenLogprob\"\x12\n\x10ModelInfoRequest\"\xb2\x01\n\tModelInfo\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x19\n\x11\x61ttention_backend\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x11\n\tplacement\x18\x08 \x01(\t\"\x0e\n\x0cStatsRequest\"\xc3\x02\n\x0cReplicaStats\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x0f\n\x07running\x18\x02 \x01(\x05\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\r\n\x05gamma\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x02\x12\x15\n\rverify_tokens\x18\x06 \x01(\x03\x12\x15\n\rkv_slots_used\x18\x07 \x01(\x03\x12\x16\n\x0ekv_slots_total\x18\x08 \x01(\x03\x12\x17\n\x0fprefix_hit_rate\x18\t \x01(\x02\x12\x17\n\x0fkv_blocks_total\x18\n \x01(\x03\x12\x16\n\x0ekv_blocks_used\x18\x0b \x01(\x03\x12\x18\n\x10kv_blocks_cached\x18\x0c \x01(\x03\x12\x13\n\x0bpreemptions\x18\r \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x0e \x01(\x03\"\x9c\x01\n\x05Stats\x12\x33\n\x07metrics\x18\x01 \x03(\x0b\x32\".speccluster.v1.Stats.MetricsEntry\x12.\n\x08replicas\x18\x02 \x03(\x0b\x32\x1c.speccluster.v1.ReplicaStats\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xbd\x02\n\nGeneration\x12M\n\x08Generate\x12\x1f.speccluster.v1.GenerateRequest\x1a .speccluster.v1.GenerateResponse\x12R\n\x0eGenerateStream\x12\x1f.speccluster.v1.GenerateRequest\x1a\x1d.speccluster.v1.GenerateChunk0\x01\x12K\n\x0cGetModelInfo\x12 .speccluster.v1.ModelInfoRequest\x1a\x19.speccluster.v1.ModelInfo\x12?\n\x08GetStats\x12\x1c.speccluster.v1.StatsRequest\x1a\x15.speccluster.v1.Statsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,27 +40,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECULATION_MODE']._serialized_start=130
   _globals['_SPECULATION_MODE']._serialized_end=183
   _globals['_GENERATEREQUEST']._serialized_start=186
-  _globals['_GENERATEREQUEST']._serialized_end=485
-  _globals['_SPECSTATS']._serialized_start=488
-  _globals['_SPECSTATS']._serialized_end=645
-  _globals['_TIMING']._serialized_start=647
-  _globals['_TIMING']._serialized_end=730
-  _globals['_GENERATERESPONSE']._serialized_start=733
-  _globals['_GENERATERESPONSE']._serialized_end=928
-  _globals['_GENERATECHUNK']._serialized_start=931
-  _globals['_GENERATECHUNK']._serialized_end=1098
-  _globals['_MODELINFOREQUEST']._serialized_start=1100
-  _globals['_MODELINFOREQUEST']._serialized_end=1118
-  _globals['_MODELINFO']._serialized_start=1121
-  _globals['_MODELINFO']._serialized_end=1299
-  _globals['_STATSREQUEST']._serialized_start=1301
-  _globals['_STATSREQUEST']._serialized_end=1315
-  _globals['_REPLICASTATS']._serialized_start=1318
-  _globals['_REPLICASTATS']._serialized_end=1641
-  _globals['_STATS']._serialized_start=1644
-  _globals['_STATS']._serialized_end=1800
-  _globals['_STATS_METRICSENTRY']._serialized_start=1754
-  _globals['_STATS_METRICSENTRY']._serialized_end=1800
-  _globals['_GENERATION']._serialized_start=1803
-  _globals['_GENERATION']._serialized_end=2120
+  _globals['_GENERATEREQUEST']._serialized_end=521
+  _globals['_TOPLOGPROB']._serialized_start=523
+  _globals['_TOPLOGPROB']._serialized_end=570
+  _globals['_TOKENLOGPROB']._serialized_start=572
+  _globals['_TOKENLOGPROB']._serialized_end=662
+  _globals['_SPECSTATS']._serialized_start=665
+  _globals['_SPECSTATS']._serialized_end=822
+  _globals['_TIMING']._serialized_start=824
+  _globals['_TIMING']._serialized_end=907
+  _globals['_GENERATERESPONSE']._serialized_start=910
+  _globals['_GENERATERESPONSE']._serialized_end=1153
+  _globals['_GENERATECHUNK']._serialized_start=1156
+  _globals['_GENERATECHUNK']._serialized_end=1371
+  _globals['_MODELINFOREQUEST']._serialized_start=1373
+  _globals['_MODELINFOREQUEST']._serialized_end=1391
+  _globals['_MODELINFO']._serialized_start=1394
+  _globals['_MODELINFO']._serialized_end=1572
+  _globals['_STATSREQUEST']._serialized_start=1574
+  _globals['_STATSREQUEST']._serialized_end=1588
+  _globals['_REPLICASTATS']._serialized_start=1591
+  _globals['_REPLICASTATS']._serialized_end=1914
+  _globals['_STATS']._serialized_start=1917
+  _globals['_STATS']._serialized_end=2073
+  _globals['_STATS_METRICSENTRY']._serialized_start=2027
+  _globals['_STATS_METRICSENTRY']._serialized_end=2073
+  _globals['_GENERATION']._serialized_start=2076
+  _globals['_GENERATION']._serialized_end=2393
 # @@protoc_insertion_point(module_scope)

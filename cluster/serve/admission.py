@@ -56,6 +56,7 @@ class GenerateInput:
     drafter: str = ""                  # "": the deployment's default
     model: str = ""                    # "" or "default": the model this cluster serves
     request_id: str = ""               # "": "req"; a unique suffix is added either way
+    logprobs: int | None = None        # alternatives per token (0..5); None: no log-probabilities
 
 
 def short(value: str, n: int = 40) -> str:
@@ -139,7 +140,8 @@ class Admission:
             top_p=1.0 if inp.top_p is None else inp.top_p,
             top_k=0 if inp.top_k is None else inp.top_k,
             seed=inp.seed,
-            stop=list(inp.stop))
+            stop=list(inp.stop),
+            logprobs=inp.logprobs)
         spec = SpecParams(inp.spec_mode, inp.gamma)
         drafter = inp.drafter or None
         ids = self.tokenizer.encode(inp.prompt)

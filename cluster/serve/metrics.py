@@ -1,5 +1,15 @@
 """Verifier metrics through Ray's metrics API: they reach the Ray dashboard and Prometheus
-(as `ray_spec_*`). One `VerifierMetrics` per replica, fed from the engine's step hook."""
+(as `ray_<name>`, counters with `_total`). One `VerifierMetrics` per replica, fed from the
+engine's step hook.
+
+The speculation counters carry vLLM v1's names and meaning (vllm/v1/spec_decode/metrics.py)
+with Ray's prefix in place of `vllm:`, which Ray metric names cannot hold:
+`vllm:spec_decode_num_drafts_total` is `ray_spec_decode_num_drafts_total` here, with the
+same `model_name` label and `position` on the per-position one (our `replica` where vLLM
+has `engine`), so vLLM's PromQL works with the prefix swapped. vLLM's per-position rate is
+accepted_per_pos / num_drafts, right for its fixed K; with gamma chosen per step here, a
+position is not drafted every step, so `spec_decode_num_draft_tokens_per_pos` (ours) gives
+the denominator. Everything else is ours and named `spec_*`."""
 
 from __future__ import annotations
 
@@ -10,14 +20,17 @@ TOKEN_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 
 
 class VerifierMetrics:
-    def __init__(self, replica: str):
-        tags = ("replica",)
-        self.drafted = metrics.Counter("spec_drafted_tokens", "Draft tokens proposed", tag_keys=tags)
-        self.accepted = metrics.Counter("spec_accepted_tokens", "Draft tokens accepted", tag_keys=tags)
-        self.pos_proposed = metrics.Counter("spec_position_proposed", "Drafts proposed at a position",
-                                            tag_keys=tags + ("position",))
-        self.pos_accepted = metrics.Counter("spec_position_accepted", "Drafts accepted at a position",
-                                            tag_keys=tags + ("position",))
+    def __init__(self, replica: str, model_name: str):
+        tags = ("replica", "model_name")
+        self.drafts = metrics.Counter("spec_decode_num_drafts", "Number of spec decoding drafts (a sequence "
+                                      "drafting in a verify step)", tag_keys=tags)
+        self.drafted = metrics.Counter("spec_decode_num_draft_tokens", "Number of draft tokens.", tag_keys=tags)
+        self.accepted = metrics.Counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                        tag_keys=tags)
+        self.pos_accepted = metrics.Counter("spec_decode_num_accepted_tokens_per_pos",
+                                            "Accepted tokens per draft position.", tag_keys=tags + ("position",))
+        self.pos_proposed = metrics.Counter("spec_decode_num_draft_tokens_per_pos",
+                                            "Draft tokens per draft position.", tag_keys=tags + ("position",))
         self.gamma = metrics.Gauge("spec_gamma", "Gamma of the last verify step", tag_keys=tags)
         self.on = metrics.Gauge("spec_speculation_on", "1 while speculation is on (gamma > 0)", tag_keys=tags)
         self.batch_tokens = metrics.Histogram("spec_verify_batch_tokens", "Verify tokens per step",
@@ -33,8 +46,8 @@ class VerifierMetrics:
         self.preemptions = metrics.Counter("spec_preemptions", "Sequences preempted for want of KV blocks "
                                            "(recomputed later)", tag_keys=tags)
         self._preemptions = 0  # the engine's count when last reported
-        self.tags = {"replica": replica}
-        for m in (self.drafted, self.accepted, self.gamma, self.on, self.batch_tokens, self.ttft, self.itl,
+        self.tags = {"replica": replica, "model_name": model_name}
+        for m in (self.drafts, self.drafted, self.accepted, self.gamma, self.on, self.batch_tokens, self.ttft, self.itl,
                   self.prefix_hit, self.running, self.kv_total, self.kv_used, self.kv_cached, self.preemptions):
             m.set_default_tags(self.tags)
 
@@ -42,6 +55,7 @@ class VerifierMetrics:
         """After each verify pass (engine.on_verify)."""
         if obs.drafted:
             self.drafted.inc(obs.drafted)
+            self.drafts.inc(obs.proposed_per_position[0])  # rows with at least one draft token
         acc = sum(obs.accepted_per_position)
         if acc:
             self.accepted.inc(acc)

@@ -11,6 +11,7 @@ in-flight limits and the same verifier handle. Requests are decoded here into ad
 Extra body fields: `speculation` ("off", "auto" or an int K: K draft tokens a step) and
 `drafter` (a drafter registry name). Each choice carries a `spec` object (drafted,
 accepted, acceptance_rate, mean_accepted_len, per_position) from its sequence's stats.
+Log-probabilities (the target's, see cluster.serve.openai_logprobs) when the body asks.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from cluster.serve.admission import AdmissionError, GenerateInput, bearer_token
 from cluster.serve.calls import ErrorKind, RequestError, internal_error, stream_outputs
+from cluster.serve.openai_logprobs import MAX_TOP, Formatter
 
 api = FastAPI(title="spec-cluster", docs_url=None, redoc_url=None, openapi_url=None)
 MAX_N = 16  # choices per request: each is a sequence of its own on the verifier
@@ -39,10 +41,9 @@ TYPES = {ErrorKind.INVALID: "invalid_request_error", ErrorKind.UNAUTHENTICATED: 
          ErrorKind.UNAVAILABLE: "service_unavailable", ErrorKind.DEADLINE: "timeout",
          ErrorKind.CANCELLED: "cancelled", ErrorKind.INTERNAL: "server_error"}
 SPEC_KEYS = ("drafted", "accepted", "acceptance_rate", "mean_accepted_len", "per_position")
-# fields this server does not implement, and the values that ask for nothing (logprobs need
-# the engine to return them)
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
-               "best_of": (None, 1), "tools": (None, []), "functions": (None, [])}
+# fields this server does not implement, and the values that ask for nothing
+UNSUPPORTED = {"echo": (None, False), "suffix": (None, ""), "best_of": (None, 1), "tools": (None, []),
+               "functions": (None, [])}
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # engine's reasons -> OpenAI's
 
 
@@ -90,9 +91,28 @@ def _speculation(body: dict) -> tuple[str, int]:
     return value, 0  # an unknown mode goes on to admission, which names it
 
 
-def sampling_input(body: dict, prompt: str, max_tokens_names: tuple[str, ...]) -> GenerateInput:
-    """The fields every generate request shares; `max_tokens_names` in order of preference
-    (chat has max_completion_tokens, the newer name, beside max_tokens)."""
+def _top(body: dict, name: str) -> int | None:
+    value = _get(body, name, (int,))
+    if value is not None and not 0 <= value <= MAX_TOP:
+        raise BadField(name, f"{name} must be in [0, {MAX_TOP}], got {value}")
+    return value
+
+
+def logprobs_wanted(body: dict, chat: bool) -> int | None:
+    """Alternatives per token the body asks for (completions: `logprobs: k`; chat:
+    `logprobs: true` and `top_logprobs: k`); None: no log-probabilities."""
+    if not chat:
+        return _top(body, "logprobs")
+    want, top = _get(body, "logprobs", (bool,), False), _top(body, "top_logprobs")
+    if top is not None and not want:  # OpenAI and vLLM refuse it too
+        raise BadField("top_logprobs", "top_logprobs needs logprobs: true")
+    return (top or 0) if want else None
+
+
+def sampling_input(body: dict, prompt: str, chat: bool) -> GenerateInput:
+    """The fields every generate request shares (chat has max_completion_tokens, the newer
+    name, before max_tokens; and its own logprobs fields)."""
+    max_tokens_names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     for name, harmless in UNSUPPORTED.items():
         if body.get(name) not in harmless:
             raise BadField(name, f"{name} is not supported")
@@ -107,7 +127,8 @@ def sampling_input(body: dict, prompt: str, max_tokens_names: tuple[str, ...]) -
     return GenerateInput(
         prompt=prompt, max_tokens=max_tokens, temperature=_get(body, "temperature", (int, float)),
         top_p=_get(body, "top_p", (int, float)), seed=_get(body, "seed", (int,)), stop=_strings(body, "stop"),
-        spec_mode=mode, gamma=gamma, drafter=_get(body, "drafter", (str,), ""), model=_get(body, "model", (str,), ""))
+        spec_mode=mode, gamma=gamma, drafter=_get(body, "drafter", (str,), ""), model=_get(body, "model", (str,), ""),
+        logprobs=logprobs_wanted(body, chat))
 
 
 def chat_prompt(tokenizer, body: dict) -> str:
@@ -163,7 +184,7 @@ class OpenAIRoutes:
             prompts = [prompt] if isinstance(prompt, str) else prompt
             if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
                 raise BadField("prompt", "prompt must be a string or a non-empty list of strings")
-            inputs = [sampling_input(body, p, ("max_tokens",)) for p in prompts]
+            inputs = [sampling_input(body, p, chat=False) for p in prompts]
             return await self._respond(request, body, client, inputs, chat=False)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
@@ -173,7 +194,7 @@ class OpenAIRoutes:
         try:
             client, body = self._client(request), await self._body(request)
             prompt = chat_prompt(self.admission.tokenizer, body)
-            inputs = [sampling_input(body, prompt, ("max_completion_tokens", "max_tokens"))]
+            inputs = [sampling_input(body, prompt, chat=True)]
             return await self._respond(request, body, client, inputs, chat=True)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
@@ -227,16 +248,19 @@ class OpenAIRoutes:
 
     async def _whole(self, calls, meta: dict, chat: bool, n: int) -> dict:
         texts, finals, counts = [""] * len(calls), [None] * len(calls), [0] * len(calls)
+        lps = [[] for _ in calls]
         async with aclosing(self._merged(calls)) as outs:
             async for i, out in outs:
                 texts[i] += out.text
                 counts[i] += len(out.token_ids)
+                lps[i] += out.logprobs or []
                 if out.finished:
                     finals[i] = out
-        choices = []
+        choices, fmt = [], Formatter(self.admission.tokenizer, chat)
         for i, (text, out) in enumerate(zip(texts, finals)):
             choice = {"index": i, "finish_reason": FINISH.get(out.finish_reason, out.finish_reason),
-                      "logprobs": None, "spec": spec_of(out)}
+                      "logprobs": fmt(lps[i]) if calls[i].params.logprobs is not None else None,
+                      "spec": spec_of(out)}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -247,7 +271,8 @@ class OpenAIRoutes:
 
     async def _events(self, calls, meta: dict, chat: bool, n: int, with_usage: bool, slots: ExitStack):
         kind = "chat.completion.chunk" if chat else "text_completion"
-        finals, counts = [None] * len(calls), [0] * len(calls)
+        finals, counts, sent = [None] * len(calls), [0] * len(calls), [0] * len(calls)
+        fmt = Formatter(self.admission.tokenizer, chat)
 
         def chunk(choices, usage=None) -> str:
             body = {**meta, "object": kind, "choices": choices}
@@ -263,12 +288,15 @@ class OpenAIRoutes:
             async with aclosing(self._merged(calls)) as outs:
                 async for i, out in outs:
                     counts[i] += len(out.token_ids)
-                    choice = {"index": i, "logprobs": None, "finish_reason": None}
+                    # tokens whose text is held back (part of a character) still bring their logprobs
+                    lps = fmt(out.logprobs, sent[i]) if out.logprobs else None
+                    sent[i] += len(out.text)
+                    choice = {"index": i, "logprobs": lps, "finish_reason": None}
                     choice.update({"delta": {"content": out.text} if out.text else {}} if chat else {"text": out.text})
                     if out.finished:
                         finals[i] = out
                         choice.update(finish_reason=FINISH.get(out.finish_reason, out.finish_reason), spec=spec_of(out))
-                    elif not out.text:
+                    elif not out.text and lps is None:
                         continue
                     yield chunk([choice])
             if with_usage:

@@ -49,7 +49,14 @@ def _decode(req: pb.GenerateRequest) -> GenerateInput:
     return GenerateInput(
         prompt=req.prompt, max_tokens=req.max_tokens, temperature=opt("temperature"), top_p=opt("top_p"),
         top_k=opt("top_k"), seed=opt("seed"), stop=list(req.stop), spec_mode=MODES.get(mode, str(mode)),
-        gamma=req.speculation.gamma, drafter=req.drafter, model=req.model, request_id=req.request_id)
+        gamma=req.speculation.gamma, drafter=req.drafter, model=req.model, request_id=req.request_id,
+        logprobs=opt("logprobs"))
+
+
+def _logprobs(out) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                            top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in lp.top])
+            for lp in out.logprobs or ()]
 
 
 def _finish(msg, spec: dict, timing: dict, reason: str):
@@ -87,6 +94,7 @@ class Router(OpenAIRoutes):
                 async for out in outs:
                     resp.text += out.text
                     resp.token_ids.extend(out.token_ids)
+                    resp.logprobs.extend(_logprobs(out))
                     if out.finished:
                         _finish(resp, out.stats["spec"], out.stats["timing"], out.finish_reason)
                         resp.prompt_tokens = out.num_prompt
@@ -100,7 +108,8 @@ class Router(OpenAIRoutes):
         try:
             async with aclosing(self._run(request, grpc_context)) as outs:
                 async for out in outs:
-                    chunk = pb.GenerateChunk(text=out.text, token_ids=out.token_ids, final=out.finished)
+                    chunk = pb.GenerateChunk(text=out.text, token_ids=out.token_ids, final=out.finished,
+                                             logprobs=_logprobs(out))
                     if out.finished:
                         _finish(chunk, out.stats["spec"], out.stats["timing"], out.finish_reason)
                     yield chunk

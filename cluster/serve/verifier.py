@@ -45,7 +45,7 @@ class Verifier:
         self.cfg = cfg
         # Three readers (autoscaling, routing stats, GetStats), each with its own window.
         self.load = VerifyLoadMeter(readers=("autoscaling", "routing", "stats"))
-        self.metrics = VerifierMetrics(self.replica_id)
+        self.metrics = VerifierMetrics(self.replica_id, cfg.models.target)
         self.figures = VerifierFigures()  # the same figures for GetStats
         self.engine.on_verify = self._observe
         self.loop = EngineLoop(self.engine, on_idle=self.remote.flush if self.remote else None)

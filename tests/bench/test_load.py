@@ -33,3 +33,38 @@ def test_bench_cli_lists_benchmarks_and_refuses_unknown(capsys):
     assert bench_main([]) == 0
     assert "load" in capsys.readouterr().out
     assert bench_main(["nope"]) == 2
+
+
+def test_load_sweep_through_the_openai_endpoint(serve_ports, demo_pair, tmp_path):
+    """`bench load --api openai` against a running cluster: every request of every level
+    completes over the SSE stream, and the JSON holds the client-side timings."""
+    from ray import serve
+
+    from cluster.bench.load import main
+    from cluster.config import parse_config
+    from cluster.serve.launch import run_app
+    from tests.serve.chaos import wait_idle
+
+    app = "bench-oai"
+    run_app(parse_config({
+        "placement": "colocated",
+        "network": {"grpc_port": serve_ports[0], "http_port": serve_ports[1], "app_name": app,
+                    "route_prefix": f"/{app}"},
+        "engine": {"max_num_seqs": 4, "max_model_len": 512},
+        "verifier": {"ray_actor_options": {"num_cpus": 1}},
+    }))
+    try:
+        assert main(["--api", "openai", "--base-url", f"http://127.0.0.1:{serve_ports[1]}/{app}/v1",
+                     "--requests", "3", "--concurrency", "1,2", "--max-tokens", "12", "--speculation", "4",
+                     "--out", str(tmp_path)]) == 0
+        data = json.loads(next(tmp_path.glob("load_code*.json")).read_text())
+        assert data["mode"] == "openai" and data["speculation"] == "4"
+        assert [p["concurrency"] for p in data["points"]] == [1, 2]
+        for p in data["points"]:
+            assert p["requests"] == 3 and p["tokens_per_s"] > 0
+            assert 0 < p["ttft_ms_p50"] <= p["ttft_ms_p99"] and p["itl_ms_p50"] > 0 and p["tpot_ms_p50"] > 0
+            assert 0 < p["acceptance_rate"] <= 1 and p["mean_accepted_len"] > 1  # the demo pair accepts
+        assert list(tmp_path.glob("load_code*.png"))
+        assert wait_idle(app)["running"] == 0
+    finally:
+        serve.delete(app)

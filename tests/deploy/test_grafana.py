@@ -42,11 +42,24 @@ def _exprs(dashboard) -> list[str]:
 
 def test_code_defines_the_issue_metrics():
     names = code_metrics()
-    for m in ("spec_drafted_tokens", "spec_accepted_tokens", "spec_position_proposed", "spec_position_accepted",
+    for m in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+              "spec_decode_num_draft_tokens_per_pos", "spec_decode_num_accepted_tokens_per_pos",
               "spec_gamma", "spec_speculation_on", "spec_verify_batch_tokens", "spec_ttft_ms", "spec_itl_ms",
               "spec_prefix_hit_ratio", "spec_running_sequences", "kvdir_available",
               "spec_kv_blocks_total", "spec_kv_blocks_used", "spec_kv_blocks_cached", "spec_preemptions"):
         assert m in names, m
+
+
+def test_speculation_counters_carry_vllms_names():
+    """vLLM v1's spec_decode counters (vllm/v1/spec_decode/metrics.py) under Ray's prefix:
+    a vLLM query works here with `vllm:` replaced by `ray_`."""
+    vllm = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
+    names = code_metrics()
+    for name in vllm:
+        assert names.get(name.replace("vllm:", "")) == "Counter", name
+    source = (REPO / "cluster" / "serve" / "metrics.py").read_text()
+    assert '"model_name"' in source and '("position",)' in source  # vLLM's labels
 
 
 def test_kv_pool_panel(dashboard):

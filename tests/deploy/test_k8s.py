@@ -225,11 +225,21 @@ def test_head_runs_no_replicas_and_exposes_dashboard_grpc_http(name):
     container = head["template"]["spec"]["containers"][0]
     assert "nvidia.com/gpu" not in json.dumps(container["resources"])
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}  # the head Service's ports
-    assert ports["dashboard"] == 8265 and ports["grpc"] == 9000 and ports["serve"] == 8000
-    serve_ports = {p["name"]: p["port"] for p in rs["spec"]["serveService"]["spec"]["ports"]}
-    assert serve_ports == {"grpc": 9000, "serve": 8000}
+    assert ports["dashboard"] == 8265
+    # the HTTP (OpenAI API) and gRPC proxies' ports, from the serve config the cluster runs,
+    # agree with the app's own network section, every pod's container ports (proxies run on
+    # every node) and the Service clients use
     v2 = serve_config_v2(rs)
-    assert v2["grpc_options"]["port"] == 9000 and v2["http_options"]["port"] == 8000
+    network = v2["applications"][0]["args"]["cluster"]["network"]
+    http, grpc = v2["http_options"]["port"], v2["grpc_options"]["port"]
+    assert (http, grpc) == (network["http_port"], network["grpc_port"]) == (8000, 9000)
+    assert v2["http_options"]["host"] == "0.0.0.0"  # reachable from the Service, not only the pod
+    for pod in ray_pods(rs):
+        declared = {p["name"]: p["containerPort"] for p in pod["template"]["spec"]["containers"][0]["ports"]}
+        assert declared["serve"] == http and declared["grpc"] == grpc, pod.get("groupName", "head")
+    service = {p["name"]: p for p in rs["spec"]["serveService"]["spec"]["ports"]}
+    assert {k: (p["port"], p["targetPort"]) for k, p in service.items()} == {"grpc": (grpc, grpc),
+                                                                            "serve": (http, http)}
     env = {e["name"] for e in container["env"]}
     assert {"RAY_GRAFANA_HOST", "RAY_PROMETHEUS_HOST"} <= env
     assert rc["enableInTreeAutoscaling"] is True and rc["autoscalerOptions"]

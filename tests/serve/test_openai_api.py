@@ -2,12 +2,12 @@
 `openai` client.
 
 Completions and chat, streamed and not, agree with each other and with the gRPC client;
-n choices, stop strings, speculation on/off, the error statuses; 64 concurrent streams all
-finish and leave no sequence behind.
+n choices, stop strings, speculation on/off, log-probabilities (the target's, equal to the
+in-process engine's and the same with speculation on and off), the error statuses; 64
+concurrent streams all finish and leave no sequence behind.
 """
 
 from __future__ import annotations
-
 
 import pytest
 
@@ -123,6 +123,64 @@ def test_chat_stream_and_usage(oai):
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
 
 
+@pytest.fixture(scope="module")
+def reference(demo_pair):
+    """The in-process engine's greedy tokens and log-probabilities, speculation off (its
+    log-probabilities equal a Hugging Face forward pass: tests/engine/test_logprobs.py)."""
+    from cluster.engine.sampling import SamplingParams
+    from cluster.engine.sequence import SpecParams
+    from cluster.serve.build import build_engine
+
+    engine = build_engine(parse_config({"engine": {"max_num_seqs": 4, "max_model_len": 512}}))
+    return engine.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, logprobs=5), SpecParams("off"))[0]
+
+
+def test_completion_logprobs_are_the_targets(oai, apps, reference):
+    want = [lp.logprob for lp in reference["logprobs"]]
+    for spec in ("off", 4):
+        r = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, logprobs=5,
+                                   extra_body={"speculation": spec})
+        lp = r.choices[0].logprobs
+        assert r.choices[0].model_extra["spec"]["accepted"] > 0 or spec == "off"
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+        assert lp.token_logprobs == pytest.approx(want, abs=1e-4)
+        assert "".join(lp.tokens) == r.choices[0].text  # ASCII output: token texts join up
+        assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+        for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert 5 <= len(top) <= 6  # k alternatives plus the chosen token (OpenAI: up to k+1)
+            assert max(top, key=top.get) == token and top[token] == value  # greedy: the argmax
+    chunks = list(oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, logprobs=2, stream=True))
+    streamed = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(want, abs=1e-4)
+    offsets = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.text_offset]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    plain = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
+    assert plain.choices[0].logprobs is None  # not asked, not computed
+    with Client(f"localhost:{apps[0]}", application=APP, api_key=KEY) as grpc_client:
+        g = grpc_client.generate(PROMPT, max_tokens=MAX_TOKENS, logprobs=1)
+    assert [x.logprob for x in g.logprobs] == pytest.approx(want, abs=1e-4)
+    assert [x.token_id for x in g.logprobs] == list(g.token_ids)
+
+
+def test_chat_logprobs(oai):
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    r = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, logprobs=True,
+                                    top_logprobs=3, extra_body={"speculation": 4})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token  # greedy: the argmax first
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-6)
+        assert [x.logprob for x in t.top_logprobs] == sorted((x.logprob for x in t.top_logprobs), reverse=True)
+        assert bytes(t.bytes).decode() == t.token
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, logprobs=True,
+                                              stream=True, extra_body={"speculation": "off"}))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-4)
+    assert all(t.top_logprobs == [] for t in streamed)  # top_logprobs unset: none
+
+
 def _status(call) -> int:
     with pytest.raises(openai.APIStatusError) as info:
         call()
@@ -136,6 +194,13 @@ def test_error_statuses(oai, apps):
     assert _status(lambda: oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10**6)) == 400
     assert _status(lambda: oai.completions.create(model=MODEL, prompt=PROMPT, echo=True)) == 400
     assert _status(lambda: oai.completions.create(model="no-such-model", prompt=PROMPT)) == 404
+    chat = [{"role": "user", "content": "hi"}]
+    assert _status(lambda: oai.chat.completions.create(model="no-such-model", messages=chat)) == 404
+    assert _status(lambda: oai.completions.create(model=MODEL, prompt=PROMPT, logprobs=6)) == 400
+    assert _status(lambda: oai.completions.create(model=MODEL, prompt=PROMPT, logprobs=-1)) == 400
+    assert _status(lambda: oai.chat.completions.create(model=MODEL, messages=chat, logprobs=True,
+                                                       top_logprobs=6)) == 400
+    assert _status(lambda: oai.chat.completions.create(model=MODEL, messages=chat, top_logprobs=2)) == 400
     assert _status(lambda: _client(apps, key="wrong").completions.create(model=MODEL, prompt=PROMPT)) == 401
     assert _status(lambda: _client(apps, key="wrong").models.list()) == 401
     # two choices are two sequences; the tiny app allows one per client
