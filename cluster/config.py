@@ -105,6 +105,10 @@ class RouterSection(_Strict):
 
 
 class NetworkSection(_Strict):
+    host: str = "127.0.0.1"
+    """Address the HTTP proxy binds: loopback unless set (the k8s overlays set 0.0.0.0, for the
+    Service). Serve's gRPC proxy binds every interface whatever this says (Ray 2.60 hard-codes
+    `[::]`): with no API keys `spec-cluster up` warns about it."""
     grpc_port: int = Field(9000, ge=1, le=65535)
     http_port: int = Field(8000, ge=1, le=65535)
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=4096)

@@ -46,10 +46,12 @@ class Target:
 
 TARGETS = (
     Target("deploy/serve_config.yaml", "configs/cluster.yaml"),
+    # in a pod the proxies bind every interface: the Service reaches them from outside it
     Target("k8s/base/serve-config-v2.yaml", "configs/cluster.yaml", "kuberay",
-           {"kvdir": {"url": K8S_KVDIR_URL}}),
+           {"kvdir": {"url": K8S_KVDIR_URL}, "network": {"host": "0.0.0.0"}}),
     # configs/hopper.yaml names its Redis itself (in-cluster or external).
-    Target("k8s/overlays/hopper/serve-config-v2.yaml", "configs/hopper.yaml", "kuberay"),
+    Target("k8s/overlays/hopper/serve-config-v2.yaml", "configs/hopper.yaml", "kuberay",
+           {"network": {"host": "0.0.0.0"}}),
 )
 
 
@@ -111,7 +113,7 @@ def serve_config(cfg: ClusterConfig) -> dict:
     deployed = parse_config({**args, "autoscaling_file": cfg.autoscaling_file})
     return {
         "proxy_location": "EveryNode",
-        "http_options": {"host": "0.0.0.0", "port": net.http_port},
+        "http_options": {"host": net.host, "port": net.http_port},
         "grpc_options": {"port": net.grpc_port, "grpc_servicer_functions": list(SERVICERS)},
         "controller_options": controller_options(cfg),
         "applications": [{

@@ -31,6 +31,7 @@ def deploy(cfg: ClusterConfig, address: str | None = None, num_cpus: int | None 
         ray.init(address=address, num_cpus=num_cpus, include_dashboard=None, namespace="spec-cluster",
                  runtime_env=None, log_to_driver=False)
     cfg = start_embedded_kvdir(cfg)
+    warn_if_open(cfg)
     start_serve(cfg, proxy_location)
     run_app(cfg, blocking)
     ctx = ray.get_runtime_context()
@@ -67,10 +68,23 @@ def controller_options(cfg: ClusterConfig) -> dict:
     return {"runtime_env": {"env_vars": {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(cfg.network.max_message_bytes)}}}
 
 
+def warn_if_open(cfg: ClusterConfig) -> None:
+    """Loudly, where anyone who reaches a port can use the cluster without a key."""
+    from cluster.serve.admission import api_keys
+
+    if api_keys(cfg.router):
+        return
+    if cfg.network.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("HTTP API on %s:%d with no API keys: anyone who reaches it can generate "
+                    "(set router.api_keys or router.api_keys_env)", cfg.network.host, cfg.network.http_port)
+    log.warning("gRPC port %d listens on every interface (Serve's gRPC proxy binds [::]) and no API keys are "
+                "set: firewall it or set router.api_keys / router.api_keys_env", cfg.network.grpc_port)
+
+
 def start_serve(cfg: ClusterConfig, proxy_location: str = "EveryNode") -> None:
     """Serve's proxies take their ports once, when Serve first starts on a Ray cluster."""
     serve.start(grpc_options=grpc_options(cfg), proxy_location=proxy_location,
-                http_options=HTTPOptions(host="0.0.0.0", port=cfg.network.http_port),
+                http_options=HTTPOptions(host=cfg.network.host, port=cfg.network.http_port),
                 controller_options=controller_options(cfg))
 
 

@@ -122,12 +122,16 @@ class Router(OpenAIRoutes):
             raise RuntimeError(error.message) from None
 
     async def GetModelInfo(self, request, grpc_context=None) -> pb.ModelInfo:
+        if not self._authorized(grpc_context):
+            return pb.ModelInfo()
         i = await self._model_info()
         return pb.ModelInfo(target_model=i["target"], draft_model=i["draft"], vocab_size=i["vocab_size"],
                             max_model_len=i["max_model_len"], attention_backend=i["attention_backend"],
                             dtype=i["dtype"], block_size=i["block_size"], placement=i["placement"])
 
     async def GetStats(self, request, grpc_context=None) -> pb.Stats:
+        if not self._authorized(grpc_context):  # replica ids, load and acceptance are not public
+            return pb.Stats()
         snap = (await self.board.snapshot.remote() if self.board
                 else {"replicas": {}, "inflight": self.admission.inflight})
         out = pb.Stats()
@@ -137,10 +141,34 @@ class Router(OpenAIRoutes):
         out.metrics.update(cluster_metrics(snap["replicas"], snap["inflight"]))
         return out
 
-    def Check(self, request, grpc_context=None):
+    async def Check(self, request, grpc_context=None):
+        """grpc.health.v1, open to probes without a key. The server ("") and the generation
+        service are SERVING once a verifier replica reports, NOT_SERVING before; any other
+        service name is NOT_FOUND, as the health protocol asks."""
         from grpc_health.v1 import health_pb2
 
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        status = health_pb2.HealthCheckResponse
+        if request.service not in ("", pb.DESCRIPTOR.services_by_name["Generation"].full_name):
+            if grpc_context is not None:
+                grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+                grpc_context.set_details(f"unknown service {request.service[:64]!r}")
+            return status()
+        ready = True
+        if self.board is not None:
+            ready = bool((await self.board.snapshot.remote())["replicas"])
+        return status(status=status.SERVING if ready else status.NOT_SERVING)
+
+    def _authorized(self, grpc_context) -> bool:
+        """The API key of a call other than Generate (which checks it in _run); False with the
+        call's status set."""
+        meta = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
+        try:
+            self.admission.authenticate(bearer_token(meta.get("authorization")),
+                                        grpc_context.peer() if grpc_context is not None else "")
+        except RequestError as e:
+            _set_status(grpc_context, e)
+            return False
+        return True
 
     # ---- the request path --------------------------------------------------------------
     async def _run(self, request: pb.GenerateRequest, grpc_context):

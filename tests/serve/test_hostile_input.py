@@ -131,6 +131,24 @@ def test_other_refusals(address):
     assert e.value.code() == C.INVALID_ARGUMENT and "temperature" in e.value.details()
 
 
+def test_every_method_but_health_needs_the_key(address):
+    """GetModelInfo and GetStats (replica ids, load, acceptance) are refused without a key;
+    health stays open for probes and says NOT_FOUND for a service it does not serve."""
+    with Client(address, application=APP) as anon:
+        for call in (anon.model_info, anon.stats):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == C.UNAUTHENTICATED and "API key" in e.value.details()
+        assert anon.health() == "SERVING"
+        assert anon.health("speccluster.v1.Generation") == "SERVING"
+        with pytest.raises(grpc.RpcError) as e:
+            anon.health("no.such.Service")
+        assert e.value.code() == C.NOT_FOUND
+    with Client(address, application=APP, api_key=KEY) as c:
+        assert c.model_info().max_model_len == LIMITS["max_model_len"]
+        assert len(c.stats().replicas) == 1
+
+
 def test_odd_but_valid_requests_are_served(address):
     """Wire-compatible bytes are a valid request: protobuf carries no type name."""
     from grpc_health.v1 import health_pb2
