@@ -99,6 +99,10 @@ class RouterSection(_Strict):
     request to the replica's own port, found through the Serve handle (0.25 ms a round trip on
     the H100 host); `handle`, through Serve's request path (4.8 ms; `spec-cluster bench hop`).
     Drafter ports must be reachable for direct."""
+    failover_wait_s: float = Field(5.0, ge=0)
+    """When the verifier serving a request dies, the router resubmits it (prompt plus the
+    tokens already streamed) to another replica, retrying for up to this long while Serve
+    routes around the dead one or replaces it; then UNAVAILABLE. 0: fail at once."""
     drafter_state_ttl_s: float = Field(60.0, gt=0)
     """A drafter forgets a sequence no draft call has named for this long: its verifier
     died before releasing it. A live sequence dropped early is only rebuilt from its tokens."""

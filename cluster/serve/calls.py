@@ -9,10 +9,12 @@ into every process holding a Verifier handle) and unit tests import it cheaply.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
+import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -69,28 +71,60 @@ def internal_error(e: BaseException, where: str) -> RequestError:
     return RequestError(ErrorKind.INTERNAL, f"internal error ({type(e).__name__})")
 
 
-async def stream_outputs(verifier, call: GenerateCall):
+async def stream_outputs(verifier, call: GenerateCall, failover_wait_s: float = 0.0):
     """The verifier's outputs for `call`, from a Serve handle to the Verifier deployment.
 
-    An `ErrorOutput` is raised as a RequestError of its kind; a broken call (the replica
-    died, the hop failed) as UNAVAILABLE, since the client may retry. If the stream stops
-    before the last output (the client left, or the call failed) the verifier call is
-    cancelled, so the verifier frees the sequence now.
+    An `ErrorOutput` is raised as a RequestError of its kind. A broken call (the replica
+    died, the hop failed) is resubmitted, to whichever replica Serve routes it to, as the
+    prompt plus every token already streamed with that many fewer to go: the stream goes on
+    with no gap and no repeat, a greedy one with the tokens an unbroken run gives, a sampled
+    one with a sample of the same distribution. Retries back off for up to `failover_wait_s`
+    from the failure (Serve needs a moment to route around a dead replica or replace it);
+    then UNAVAILABLE, since the client may retry. If the stream stops before the last output
+    (the client left, or the call failed) the verifier call is cancelled, so the verifier
+    frees the sequence now. Across a resubmission the final output's `stats` are those of
+    the last call's part.
     """
-    gen = verifier.options(stream=True).generate.remote(call)
-    done = False
-    try:
-        async for out in gen:
-            if isinstance(out, ErrorOutput):
-                raise RequestError(out.kind, out.message)
-            done = out.finished
-            yield out
-    except RequestError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        log.warning("verifier call failed: %s", e)
-        raise RequestError(ErrorKind.UNAVAILABLE, f"verifier unavailable: {type(e).__name__}") from None
-    finally:
-        if not done:
-            gen.cancel()
+    emitted: list[int] = []
+    give_up, backoff = None, 0.1
+    while True:
+        part = call if not emitted else continuation(call, emitted)
+        gen = verifier.options(stream=True).generate.remote(part)
+        done = False
+        try:
+            async for out in gen:
+                if isinstance(out, ErrorOutput):
+                    raise RequestError(out.kind, out.message)
+                done = out.finished
+                emitted += out.token_ids
+                out.num_prompt = len(call.prompt_ids)
+                give_up, backoff = None, 0.1  # progress: a later failure gets a wait of its own
+                yield out
+            if done:
+                return
+            raise RuntimeError("the verifier's stream ended before its last output")
+        except RequestError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            now = time.monotonic()
+            give_up = give_up or now + failover_wait_s
+            left = call.params.max_tokens - len(emitted)
+            log.warning("verifier call failed after %d tokens (%s: %s)%s", len(emitted), type(e).__name__, e,
+                        "; resubmitting" if now < give_up and left > 0 else "")
+            if now >= give_up or left <= 0:
+                raise RequestError(ErrorKind.UNAVAILABLE, f"verifier unavailable: {type(e).__name__}") from None
+            await asyncio.sleep(min(backoff, give_up - now))
+            backoff = min(2 * backoff, 1.0)
+        finally:
+            if not done:
+                gen.cancel()
 
+
+def continuation(call: GenerateCall, emitted: list[int]) -> GenerateCall:
+    """`call` resumed after `emitted` tokens: they join the prompt and leave max_tokens. A
+    seeded request moves to a stream of its own: restarted at its seed it would reuse the
+    draws of its first tokens, tying the tokens after the seam to those before it."""
+    params = replace(call.params, max_tokens=call.params.max_tokens - len(emitted))
+    if params.seed is not None:
+        params = replace(params, seed=(params.seed + 1_000_003 * len(emitted)) % 2**63)
+    return replace(call, prompt_ids=call.prompt_ids + emitted, params=params)

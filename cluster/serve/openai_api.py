@@ -315,7 +315,7 @@ class OpenAIRoutes:
 
         async def pump(i, call):
             try:
-                async with aclosing(stream_outputs(self.verifier, call)) as outs:
+                async with aclosing(stream_outputs(self.verifier, call, self.cfg.router.failover_wait_s)) as outs:
                     async for out in outs:
                         await queue.put((i, out, None))
                 await queue.put((i, None, None))

@@ -181,7 +181,7 @@ class Router(OpenAIRoutes):
             raise AdmissionError(ErrorKind.INVALID, f"request does not parse: {request.error}")
         call = await self.admission.admit(_decode(request))
         with self.admission.slot(client):
-            async with aclosing(stream_outputs(self.verifier, call)) as outs:
+            async with aclosing(stream_outputs(self.verifier, call, self.cfg.router.failover_wait_s)) as outs:
                 async for out in outs:
                     yield out
 

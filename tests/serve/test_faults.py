@@ -4,8 +4,9 @@ never a wrong answer, a hang or a leak.
 One disaggregated app (one verifier, one drafter, a real Redis-protocol KV directory):
 - the drafter replica is killed mid-generation: in-flight greedy streams finish with the
   tokens of plain decoding; once Serve has replaced the drafter, speculation resumes;
-- the verifier replica is killed: its streams end promptly with UNAVAILABLE; the next
-  request is served by the replacement;
+- the verifier replica is killed: with `router.failover_wait_s: 0` its streams end promptly
+  with UNAVAILABLE (with two replicas they go on: test_failover.py); the next request is
+  served by the replacement;
 - the KV directory is killed and restarted under load: every request succeeds, and the
   verifier republishes its blocks;
 after each: no KV slot, sequence or draft state left behind.
@@ -56,7 +57,8 @@ def client(serve_grpc, demo_pair, kvdir):
         "name": APP,
         "placement": "disaggregated",
         "engine": ENGINE,
-        "router": {"drafter_timeout_s": 1.0, "drafter_state_ttl_s": 5.0},
+        # one verifier: its death ends its streams at once (test_failover.py: with two, they go on)
+        "router": {"drafter_timeout_s": 1.0, "drafter_state_ttl_s": 5.0, "failover_wait_s": 0.0},
         "verifier": {"ray_actor_options": {"num_cpus": 1}},
         "drafter": {"ray_actor_options": {"num_cpus": 1, "resources": {"head": 0.01}}},
         "kvdir": {"url": kvdir["url"], "ttl_s": 3.0},

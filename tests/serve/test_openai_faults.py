@@ -40,6 +40,7 @@ def oai(serve_ports, demo_pair):
                     "route_prefix": f"/{APP}"},
         # one running sequence and one waiting: a third finds the verifier's queue full
         "engine": {"max_num_seqs": 1, "max_waiting": 1, "max_model_len": 512},
+        "router": {"failover_wait_s": 0.0},  # its one verifier's death is a 503, not a wait for the next
         "verifier": {"ray_actor_options": {"num_cpus": 1, "accelerator_type": "H100"}},
     }))
     yield openai.OpenAI(base_url=f"http://127.0.0.1:{serve_ports[1]}/{APP}/v1", api_key="unused", max_retries=0,
