@@ -6,8 +6,9 @@
 A few client threads send, in a seeded mix: greedy unary requests on fixed prompts (their
 tokens must equal the in-process engine's with speculation off), sampled streams, streams
 the client cancels after a few chunks, and unary requests with a deadline too short to
-finish. Midway the drafter replica is killed; at three quarters the KV directory server is
-killed and restarted. Intended outcomes (a cancelled stream, an expired deadline) are not
+finish. Two verifier replicas: at a quarter one is killed (its requests fail over to the
+other, so their tokens must still be right); midway the drafter replica is killed; at three
+quarters the KV directory server is killed and restarted. Intended outcomes (a cancelled stream, an expired deadline) are not
 errors; every other failure and every wrong greedy answer is.
 
 Reports: unintended errors (must be 0); RSS of the app's Ray worker processes (Serve
@@ -140,11 +141,12 @@ def main() -> int:
     refs = reference()
     kv_port, grpc_port = free_port(), free_port()
     kv_url, kv_stop = start_local_server(port=kv_port)
-    ray.init(num_cpus=4, namespace="spec-cluster-soak", log_to_driver=False, include_dashboard=False)
+    ray.init(num_cpus=5, namespace="spec-cluster-soak", log_to_driver=False, include_dashboard=False)
     cfg = parse_config({
         "name": APP, "placement": "disaggregated", "engine": ENGINE,
         "router": {"drafter_state_ttl_s": 20.0},
-        "verifier": {"ray_actor_options": {"num_cpus": 1}}, "drafter": {"ray_actor_options": {"num_cpus": 1}},
+        "verifier": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 1}},
+        "drafter": {"ray_actor_options": {"num_cpus": 1}},
         "kvdir": {"url": kv_url, "ttl_s": 5.0},
         "network": {"grpc_port": grpc_port, "http_port": free_port(), "app_name": APP, "route_prefix": f"/{APP}"},
     })
@@ -160,10 +162,13 @@ def main() -> int:
         threads = [threading.Thread(target=load.worker, args=(i,), daemon=True) for i in range(a.clients)]
         for t in threads:
             t.start()
-        end, faults = t0 + 60 * a.minutes, {"drafter": 0.5, "kvdir": 0.75}
+        end, faults = t0 + 60 * a.minutes, {"verifier": 0.25, "drafter": 0.5, "kvdir": 0.75}
         while time.monotonic() < end:
             now = time.monotonic() - t0
             report["rss"].append({"t": round(now, 1), **rss_by_role()})
+            if "verifier" in faults and now >= faults["verifier"] * 60 * a.minutes:
+                del faults["verifier"]
+                event(f"killed verifier replica {chaos.kill_replica(APP, 'Verifier')}")
             if "drafter" in faults and now >= faults["drafter"] * 60 * a.minutes:
                 del faults["drafter"]
                 event(f"killed drafter replica {chaos.kill_replica(APP, 'Drafter')}")
@@ -179,7 +184,13 @@ def main() -> int:
         for t in threads:
             t.join(120)
         event("load stopped")
-        idle = chaos.wait_idle(APP, timeout_s=60, drafter=True)
+        def all_idle():  # both verifier replicas (GetStats), and the drafter
+            reps = load.client.stats().replicas
+            free = len(reps) == 2 and all(r.running == r.waiting == r.kv_slots_used == 0 for r in reps)
+            return free and chaos.drafter_sequences(APP) == 0 and {
+                "kv_slots_used": 0, "running": 0, "waiting": 0, **{k: sum(getattr(r, k) for r in reps) for k in
+                                                                  ("verify_tokens",)}}
+        idle = chaos.wait_until(all_idle, 90, "both verifiers and the drafter idle")
         event("idle")
         report["rss"].append({"t": round(time.monotonic() - t0, 1), **rss_by_role()})
         report.update(_summary(report, load, idle, t0))
@@ -212,7 +223,7 @@ def _summary(report: dict, load: Load, idle: dict, t0: float) -> dict:
         "rss_mb_by_role_minute1": {k: round(v / 2**20, 1) for k, v in base.items() if k != "t"},
         "rss_mb_by_role_end": {k: round(v / 2**20, 1) for k, v in last.items() if k != "t"},
         "speculation_resumed_s_after_drafter_kill": resumed,
-        "end_state": {k: idle[k] for k in ("kv_slots_used", "running", "waiting", "drafted", "accepted", "tokens")},
+        "end_state": idle,
         "all_free": free,
         "pass": not load.errors and growth < 0.10 and free and requests > 0},
         "errors": load.errors}
