@@ -173,3 +173,21 @@ def test_other_splits_match_one_process(random_models, model, tp):
     want = _rank0("generate", random_models[model], 1, timeout=600)
     got = _rank0("generate", random_models[model], tp, timeout=600)
     assert got == want and got["held"] == [0, 0]
+
+
+def test_cli_local_starts_the_ranks_itself(demo_pair, tmp_path):
+    """`spec-cluster generate --local` with engine.tensor_parallel_size: 2 in the config file:
+    the demo pair's greedy text is the one-process text, and the followers are gone after."""
+    def run(tp: int) -> dict:
+        cfg = tmp_path / f"tp{tp}.yaml"
+        cfg.write_text(f"engine:\n  tensor_parallel_size: {tp}\n  max_num_seqs: 4\n  max_model_len: 256\n")
+        cmd = [sys.executable, "-m", "cluster.cli", "generate", "def parse_args(argv):\n", "--local", "--json",
+               "--config", str(cfg), "--max-tokens", "24", "--speculation", "3", "--drafter", "model"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout)
+
+    one, two = run(1), run(2)
+    assert two["token_ids"] == one["token_ids"] and len(two["token_ids"]) == 24
+    assert two["spec"]["drafted"] > 0
