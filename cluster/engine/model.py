@@ -287,11 +287,12 @@ def load_hf_model(path: str | Path, dtype: torch.dtype, device: torch.device | s
     files = sorted(f for f in path.glob("*.safetensors") if f.name != "medusa_heads.safetensors")  # not the model's
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
-    state = {}
-    if group is not None:
+    if group is not None:  # this rank's slices only
         state = read_shards(files, shape, group.rank, group.size)
-    for f in tqdm(files if group is None else [], desc=f"loading {path.name}", unit="shard", disable=len(files) < 2):
-        state.update(load_file(f, device="cpu"))
+    else:
+        state = {}
+        for f in tqdm(files, desc=f"loading {path.name}", unit="shard", disable=len(files) < 2):
+            state.update(load_file(f, device="cpu"))
     state = {k: v.to(dtype) for k, v in _fuse(state, model.shape).items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.rotary = Rotary(cfg, shape.max_positions)  # buffers were on meta

@@ -139,7 +139,7 @@ def follow(rank: int, size: int, port: int, target: str, cfg, step_timeout_s: fl
     """A follower rank's whole life: join, load its shard, mirror rank 0's passes until STOP."""
     from cluster.engine.loader import load_model
 
-    torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    torch.set_num_threads(max(1, torch.get_num_threads() // size))  # on a CPU the ranks share the host's cores
     group = init_group(rank, size, addr, port, cfg.device, step_timeout_s)
     try:
         model = load_model(target, getattr(torch, cfg.dtype), group.device, group)  # float32, bfloat16, ...
