@@ -170,21 +170,24 @@ def _generate_local(args) -> dict | None:
     cfg = load_config(args.config, over)
     params = SamplingParams(**_spec_kwargs(args))
     params.validate()  # refuse bad arguments before loading any weights
-    engine = build_engine(cfg)
-    spec = args.speculation
-    spec = SpecParams("fixed", spec) if isinstance(spec, int) else SpecParams(spec)
-    sid = engine.add_request(args.prompt, params, spec, args.drafter)
-    out = {"text": "", "token_ids": []}
-    while engine.has_work:
-        for o in engine.step():
-            if o.seq_id != sid:
-                continue
-            if args.stream and not args.json:
-                print(o.text, end="", flush=True)
-            out["text"] += o.text
-            out["token_ids"] += o.token_ids
-            if o.finished:
-                out.update(finish_reason=o.finish_reason, **o.stats)
+    engine = build_engine(cfg)  # with engine.tensor_parallel_size > 1 it starts the other ranks
+    try:
+        spec = args.speculation
+        spec = SpecParams("fixed", spec) if isinstance(spec, int) else SpecParams(spec)
+        sid = engine.add_request(args.prompt, params, spec, args.drafter)
+        out = {"text": "", "token_ids": []}
+        while engine.has_work:
+            for o in engine.step():
+                if o.seq_id != sid:
+                    continue
+                if args.stream and not args.json:
+                    print(o.text, end="", flush=True)
+                out["text"] += o.text
+                out["token_ids"] += o.token_ids
+                if o.finished:
+                    out.update(finish_reason=o.finish_reason, **o.stats)
+    finally:
+        engine.close()
     if args.stream and not args.json:
         print()
         return None

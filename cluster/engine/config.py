@@ -46,6 +46,10 @@ class EngineConfig(BaseModel):
     torch.compile'd elementwise kernels (CUDA only; ignored on CPU). Costs warm-up time."""
     cuda_graphs: bool = True
     """Capture decode, verify and prefill steps as CUDA graphs (FA3 on CUDA only)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Ranks (GPUs of one node) a verifier's target is split over: heads, MLP features and the
+    vocabulary (cluster.engine.sharding). Attention heads must divide by it, and KV heads
+    divide by it or it by them. 1: one process, no collectives."""
     draft_look_ahead: bool = True
     """A model drafter on a GPU drafts the next step while the target verifies, guessing
     every draft is accepted; a right guess saves that step's drafting. Remote drafters look
@@ -78,6 +82,8 @@ class EngineConfig(BaseModel):
             raise ValueError(f"gamma ({self.gamma}) must be <= gamma_max ({self.gamma_max})")
         if self.max_batch_tokens < self.gamma_max + 1:
             raise ValueError("max_batch_tokens must hold one row of gamma_max + 1 tokens")
+        if self.tensor_parallel_size > 1 and self.kv_cache_dtype == "fp8":
+            raise ValueError("kv_cache_dtype fp8 is not supported with tensor_parallel_size > 1 yet")
         return self
 
 

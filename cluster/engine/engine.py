@@ -32,6 +32,7 @@ from cluster.engine.memory import num_kv_blocks
 from cluster.engine.model import CausalLM, compile_kernels
 from cluster.engine.observation import StepObservation, observation
 from cluster.engine.pipeline import DecodePipeline
+from cluster.engine.ranks import ParallelRunner, start_ranks
 from cluster.engine.requests import RequestLimits, validate_request
 from cluster.engine.runner import Runner
 from cluster.engine.sampling import InvalidRequest, SamplingParams
@@ -70,10 +71,13 @@ class Engine:
         if cfg.kv_cache_dtype == "fp8":
             self.kv.scales = fp8.calibrate(model, fp8.calibration_tokens(tokenizer))
         graph_width = cfg.gamma_max + 1 if cfg.cuda_graphs and p.device.type == "cuda" else 0
-        # prefill graphs up to 2048 padded tokens: past that a pass's GPU work hides the
-        # eager pass's host work (H100, 8B shape: ~40 ms of it), and padding only costs
-        self.runner = Runner(model, self.kv, cfg.attention, graph_width, cfg.prefill_chunk,
-                             min(cfg.max_batch_tokens, 2048))
+        if model.group is not None:  # rank 0 of a tensor-parallel group: its passes lead the others'
+            self.runner = ParallelRunner(model, self.kv, cfg.attention, model.group)
+        else:
+            # prefill graphs up to 2048 padded tokens: past that a pass's GPU work hides the
+            # eager pass's host work (H100, 8B shape: ~40 ms of it), and padding only costs
+            self.runner = Runner(model, self.kv, cfg.attention, graph_width, cfg.prefill_chunk,
+                                 min(cfg.max_batch_tokens, 2048))
         self.backend = model.backend.name
         self.pipeline = DecodePipeline(self.runner.graphs) if self.runner.graphs is not None else None
         self.scheduler = Scheduler(cfg, self.kv)
@@ -114,7 +118,8 @@ class Engine:
 
         cfg = cfg or EngineConfig()
         dtype = DTYPES[cfg.dtype]
-        model = load_model(target, dtype, cfg.device)
+        group = start_ranks(str(target), cfg) if cfg.tensor_parallel_size > 1 else None
+        model = load_model(target, dtype, cfg.device if group is None else group.device, group)
         drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
         if draft is not None:
             dm = load_model(draft, dtype, cfg.device)
@@ -125,6 +130,11 @@ class Engine:
             raise ValueError(f"unknown drafter {drafter!r} (available: {', '.join(drafters)})")
         tok = load_tokenizer(target)
         return cls(model, tok, cfg, drafters, drafter, identity=str(Path(target).resolve().name))
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's follower ranks (nothing to do for one process)."""
+        if isinstance(self.runner, ParallelRunner):
+            self.runner.close()
 
     # ---- requests ------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

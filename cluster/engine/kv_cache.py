@@ -116,13 +116,22 @@ class KVCache:
     def sync(self) -> None:
         """Apply the table changes since the last step to the device tensor (one copy)."""
         if self._updates:
-            (r, c), b = zip(*self._updates), list(self._updates.values())
-            self._updates.clear()
-            host = torch.tensor([r, c, b], dtype=torch.int64)
-            if self.tables.is_cuda:  # from pinned memory: a pageable copy would wait for the GPU
-                host = host.pin_memory()
-            idx = host.to(self.tables.device, non_blocking=True)
-            self.tables[idx[0], idx[1]] = idx[2].to(torch.int32)
+            self.apply_updates(self.take_updates())
+
+    def take_updates(self) -> torch.Tensor:
+        """The table changes since the last step as host int64 [3, U] (row, column, block),
+        forgotten here: a tensor-parallel rank 0 sends them to its followers' mirrors."""
+        if not self._updates:
+            return torch.zeros((3, 0), dtype=torch.int64)
+        (r, c), b = zip(*self._updates), list(self._updates.values())
+        self._updates.clear()
+        return torch.tensor([r, c, b], dtype=torch.int64)
+
+    def apply_updates(self, host: torch.Tensor) -> None:
+        if self.tables.is_cuda:  # from pinned memory: a pageable copy would wait for the GPU
+            host = host.pin_memory()
+        idx = host.to(self.tables.device, non_blocking=True)
+        self.tables[idx[0], idx[1]] = idx[2].to(torch.int32)
 
     def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat cache index (block * block_size + offset) of each position [B, T] of each row [B]."""

@@ -11,13 +11,16 @@ from cluster.engine.embedded import load_embedded
 from cluster.engine.model import CausalLM, load_hf_model
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str, group=None) -> CausalLM:
     """A Hugging Face directory (config.json + safetensors), or a directory with embed.json: a
-    small trained model built into a larger shape (cluster.engine.embedded)."""
+    small trained model built into a larger shape (cluster.engine.embedded). With `group`
+    (cluster.engine.parallel), this tensor-parallel rank's part only."""
     path = Path(path)
     if (path / "embed.json").is_file():
+        if group is not None:
+            raise NotImplementedError("embedded models are not sharded for tensor parallelism yet")
         return load_embedded(path, dtype, device)
-    return load_hf_model(path, dtype, device)
+    return load_hf_model(path, dtype, device, group)
 
 
 def load_tokenizer(path: str | Path):

@@ -65,6 +65,8 @@ def num_kv_blocks(model, cfg, kv_dtype: torch.dtype, max_tokens: int) -> int:
         return max(1, int(cfg.kv_cache_gb * GIB // per_block))
     if dev.type != "cuda":
         return cfg.max_num_seqs * -(-max_tokens // cfg.block_size)
+    if getattr(model, "group", None) is not None:  # one rank's lone pass would wait on the others' collectives
+        raise ValueError("tensor_parallel_size > 1 on GPUs needs engine.kv_cache_gb (per rank) for now")
     act = activation_bytes(model, cfg.max_batch_tokens, cfg.block_size, kv_dtype)
     graphs = graph_output_bytes(model, cfg.max_num_seqs, cfg.gamma_max + 1) if cfg.cuda_graphs else 0
     free, total = torch.cuda.mem_get_info(dev)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cluster.engine.attention import AttnContext
+from cluster.engine.sharding import local_shape, read_shards, vocab_rows
 
 log = logging.getLogger(__name__)
 SUPPORTED = ("llama", "qwen2", "mistral")
@@ -132,9 +133,10 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, s: ModelShape):
+    def __init__(self, s: ModelShape, reduce=None):
+        """reduce: the all-reduce joining tensor-parallel ranks' partial o_proj sums; None: one process."""
         super().__init__()
-        self.s = s
+        self.s, self.reduce = s, reduce
         self.qkv_proj = nn.Linear(s.hidden, s.head_dim * (s.heads + 2 * s.kv_heads), bias=s.qkv_bias)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
 
@@ -147,12 +149,15 @@ class Attention(nn.Module):
         qk = KERNELS["rope"](qkv[:, :, : s.heads + s.kv_heads], *rot)  # q and k rotated in one op
         q, k = qk.split([s.heads, s.kv_heads], dim=2)
         out = backend(q.contiguous(), k, qkv[:, :, s.heads + s.kv_heads:], k_cache, v_cache, ctx, scale)
-        return lin(out.reshape(B, T, -1), self.o_proj.weight, residual=h)
+        if self.reduce is None:
+            return lin(out.reshape(B, T, -1), self.o_proj.weight, residual=h)
+        return h + self.reduce(lin(out.reshape(B, T, -1), self.o_proj.weight))  # the residual once, not per rank
 
 
 class MLP(nn.Module):
-    def __init__(self, s: ModelShape):
+    def __init__(self, s: ModelShape, reduce=None):
         super().__init__()
+        self.reduce = reduce  # as Attention's, for down_proj
         self.gate_up_proj = nn.Linear(s.hidden, 2 * s.intermediate, bias=False)
         self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
 
@@ -160,7 +165,9 @@ class MLP(nn.Module):
         """h + mlp(norm(h))."""
         lin = KERNELS["linear"]
         gate_up = lin(h, self.gate_up_proj.weight, norm=norm.weight, eps=norm.eps)
-        return lin(gate_up, self.down_proj.weight, silu=True, residual=h)
+        if self.reduce is None:
+            return lin(gate_up, self.down_proj.weight, silu=True, residual=h)
+        return h + self.reduce(lin(gate_up, self.down_proj.weight, silu=True))
 
 
 class RMSNorm(nn.Module):
@@ -174,24 +181,54 @@ class RMSNorm(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, s: ModelShape):
+    def __init__(self, s: ModelShape, reduce=None):
         super().__init__()
         self.input_layernorm = RMSNorm(s.hidden, s.eps)
-        self.self_attn = Attention(s)
+        self.self_attn = Attention(s, reduce)
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
-        self.mlp = MLP(s)
+        self.mlp = MLP(s, reduce)
+
+
+class VocabEmbedding(nn.Module):
+    """A tensor-parallel rank's rows of the embedding: tokens outside them embed as 0 here,
+    and the all-reduce gives every rank every token's row."""
+
+    def __init__(self, vocab_size: int, hidden: int, group):
+        super().__init__()
+        self.start, rows = vocab_rows(vocab_size, group.rank, group.size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden))
+        self.group = group
+
+    def forward(self, ids):
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        h = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill_(outside[..., None], 0)
+        return self.group.all_reduce(h)
 
 
 class CausalLM(nn.Module):
-    """Returns hidden states; `logits(h)` applies the head only where the caller needs it."""
+    """Returns hidden states; `logits(h)` applies the head only where the caller needs it.
 
-    def __init__(self, shape: ModelShape, hf_config):
+    With `group` (cluster.engine.parallel.Group) it is one tensor-parallel rank's part
+    (cluster.engine.sharding): `shape` is then the rank's (its heads, KV heads, MLP features)
+    with the whole vocabulary, and `logits` returns full-vocabulary logits on rank 0, None on
+    the others."""
+
+    def __init__(self, shape: ModelShape, hf_config, group=None):
         super().__init__()
+        self.group = group
+        if group is not None:
+            shape = local_shape(shape, group.size)
         self.shape = shape
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden)
-        self.layers = nn.ModuleList(Layer(shape) for _ in range(shape.layers))
+        reduce = None if group is None else group.all_reduce
+        if group is None:
+            self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden)
+            self.lm_head = nn.Linear(shape.hidden, shape.vocab_size, bias=False)
+        else:
+            self.embed_tokens = VocabEmbedding(shape.vocab_size, shape.hidden, group)
+            self.lm_head = nn.Linear(shape.hidden, self.embed_tokens.weight.shape[0], bias=False)
+        self.layers = nn.ModuleList(Layer(shape, reduce) for _ in range(shape.layers))
         self.norm = RMSNorm(shape.hidden, shape.eps)
-        self.lm_head = nn.Linear(shape.hidden, shape.vocab_size, bias=False)
         self.rotary = Rotary(hf_config, shape.max_positions)
         self.backend = None  # set by the runner: attention.make_backend(...)
 
@@ -207,6 +244,10 @@ class CausalLM(nn.Module):
     def logits(self, h: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """The head over h; in the weights' dtype with fp32=False (a rounding-free cast away)."""
         y = KERNELS["linear"](h, self.lm_head.weight)
+        if self.group is not None:
+            y = self.group.gather_vocab(y, self.shape.vocab_size)
+            if y is None:
+                return None
         return y.float() if fp32 else y
 
 
@@ -229,8 +270,9 @@ def _fuse(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.
     return out
 
 
-def load_hf_model(path: str | Path, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    """Build the model from an HF directory (config.json + *.safetensors), weights in `dtype`."""
+def load_hf_model(path: str | Path, dtype: torch.dtype, device: torch.device | str, group=None) -> CausalLM:
+    """Build the model from an HF directory (config.json + *.safetensors), weights in `dtype`;
+    with `group`, this tensor-parallel rank's part, read slice by slice (cluster.engine.sharding)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
     from tqdm.auto import tqdm
@@ -241,14 +283,17 @@ def load_hf_model(path: str | Path, dtype: torch.dtype, device: torch.device | s
     cfg = AutoConfig.from_pretrained(path)
     shape = ModelShape.from_hf(cfg)
     with torch.device("meta"):
-        model = CausalLM(shape, cfg)
+        model = CausalLM(shape, cfg, group)
     files = sorted(f for f in path.glob("*.safetensors") if f.name != "medusa_heads.safetensors")  # not the model's
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
-    state = {}
-    for f in tqdm(files, desc=f"loading {path.name}", unit="shard", disable=len(files) < 2):
-        state.update(load_file(f, device="cpu"))
-    state = {k: v.to(dtype) for k, v in _fuse(state, shape).items()}
+    if group is not None:  # this rank's slices only
+        state = read_shards(files, shape, group.rank, group.size)
+    else:
+        state = {}
+        for f in tqdm(files, desc=f"loading {path.name}", unit="shard", disable=len(files) < 2):
+            state.update(load_file(f, device="cpu"))
+    state = {k: v.to(dtype) for k, v in _fuse(state, model.shape).items()}
     model.load_state_dict(state, strict=False, assign=True)
     model.rotary = Rotary(cfg, shape.max_positions)  # buffers were on meta
     missing = [n for n, p in model.named_parameters() if p.is_meta]

@@ -62,9 +62,14 @@ class Runner:
         ids = torch.zeros((len(tokens), ctx.width), dtype=torch.int64)
         for b, t in enumerate(tokens):
             ids[b, : len(t)] = torch.tensor(t)
-        h = self.model(ids.to(self.device), ctx.positions, self.kv, ctx, num_layers)
+        return self.run(ids.to(self.device), ctx, last_only, num_layers, hidden)
+
+    def run(self, ids: torch.Tensor, ctx: AttnContext, last_only: bool, num_layers: int | None, hidden: bool):
+        """The eager pass over token ids [B, T] on the device, as `forward` returns it (the
+        part tensor-parallel ranks share, cluster.engine.ranks)."""
+        h = self.model(ids, ctx.positions, self.kv, ctx, num_layers)
         if last_only:
-            h = h[torch.arange(len(tokens), device=self.device), ctx.q_lens - 1]
+            h = h[torch.arange(ids.shape[0], device=self.device), ctx.q_lens - 1]
         return (self.model.logits(h), h) if hidden else self.model.logits(h)
 
     def _splits(self, batch: int, width: int, max_kv: int) -> int:

@@ -18,6 +18,7 @@ from cluster.engine.drafters.registry import DRAFTERS
 from cluster.engine.engine import DTYPES, Engine
 from cluster.engine.loader import load_model, load_tokenizer
 from cluster.engine.model import compile_kernels
+from cluster.engine.ranks import start_ranks
 
 
 # Longest sequence (prompt + output + drafts) the draft model drafts for; longer rows decode
@@ -56,18 +57,22 @@ def build_engine(cfg: ClusterConfig, remote_drafter: Drafter | None = None) -> E
 
     ec = cfg.engine_config()
     target = resolve_model_path(cfg.models.target)
-    model = load_model(target, DTYPES[ec.dtype], ec.device)
+    # tensor-parallel: this process is rank 0 and starts the others (cluster.engine.ranks)
+    group = start_ranks(str(target), ec) if ec.tensor_parallel_size > 1 else None
+    model = load_model(target, DTYPES[ec.dtype], ec.device if group is None else group.device, group)
     drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
     if cfg.models.draft:
         drafters["model"] = remote_drafter or build_model_drafter(cfg)
     default = None if cfg.models.drafter == "none" else cfg.models.drafter
     if default == "medusa" and not has_heads(target):
         raise ValueError(f"drafter 'medusa' needs {HEADS_FILE} in {target} (spec-cluster models train-medusa)")
+    if default == "medusa" and ec.tensor_parallel_size > 1:
+        raise ValueError("drafter 'medusa' is not supported with tensor_parallel_size > 1 yet")
     engine = Engine(model, load_tokenizer(target), ec, drafters, default, identity=cfg.models.target)
     # these two read the target's own state (hidden states, KV), so they live in its process
     engine.drafters["early-exit"] = EarlyExitDrafter(engine.runner, cfg.models.early_exit_layers
                                                      or max(1, model.shape.layers // 4))
-    if has_heads(target):
+    if has_heads(target) and group is None:  # Medusa projects through the whole LM head; a rank holds a slice
         engine.drafters["medusa"] = MedusaDrafter.load(target, model)
     assert set(engine.drafters) <= set(DRAFTERS), "every drafter is in the registry"
     engine.controller = make_controller(cfg.speculation)

@@ -1,0 +1,160 @@
+"""Tensor-parallel ranks: rank 0 drives, ranks 1..N-1 follow, one forward pass at a time.
+
+Rank 0 is the ordinary Engine (scheduler, drafters, sampling) whose target runner is a
+`ParallelRunner`: before each pass it broadcasts a header, a fixed-size `meta` then one int64
+`payload` (the rows, cached lengths, token ids, which new tokens are real, and the block-table
+changes since the last pass), and then runs the pass as every rank does (`run_step`). A
+follower holds a mirror of the KV block tables (its own KV heads' blocks, the same block ids)
+and no scheduler: per pass it receives the header, applies the table changes and runs the same
+tensor ops on its shard, joining rank 0's all-reduces and the logits gather. So the engine
+above the runner is unchanged and a follower's host work does not grow with the batch.
+
+The first header after start is the KV geometry (`SETUP`); STOP ends the followers. A dead
+or stalled rank makes rank 0's next collective fail (cluster.engine.parallel): rank 0 raises
+RankFailure and the replica goes down, rather than serving from a broken group.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from cluster.engine.attention import AttnContext
+from cluster.engine.kv_cache import KVCache
+from cluster.engine.parallel import Group, RankFailure, free_port, init_group
+from cluster.engine.runner import Runner
+
+log = logging.getLogger(__name__)
+STOP, FORWARD = 0, 1
+META = 8      # op, rows B, width T, table updates U, max_kv, real-token index length (-1: all), last_only, layers
+SETUP = 4     # blocks, block_size, max_rows, max_tokens
+STEP_TIMEOUT_S = 120.0
+
+
+def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens: list[list[int]],
+           last_only: bool, num_layers: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The header of one pass: (meta [META], payload), host int64, built as AttnContext.build
+    builds a single process's context."""
+    q_lens = [len(t) for t in tokens]
+    b, width = len(tokens), max(q_lens)
+    ids = torch.zeros((b, width), dtype=torch.int64)
+    for i, t in enumerate(tokens):
+        ids[i, : len(t)] = torch.tensor(t)
+    src = [i * width + j for i, n in enumerate(q_lens) for j in range(n)] if min(q_lens) < width else []
+    max_kv = max(c + width for c in cache_lens)
+    meta = torch.tensor([FORWARD, b, width, updates.shape[1], max_kv, len(src) if src else -1, int(last_only),
+                         num_layers or 0], dtype=torch.int64)
+    payload = torch.cat([torch.tensor(rows + cache_lens + q_lens, dtype=torch.int64), ids.flatten(),
+                         torch.tensor(src, dtype=torch.int64), updates.flatten()])
+    return meta, payload
+
+
+def payload_len(meta: list[int]) -> int:
+    _, b, width, num_updates, _, num_src, _, _ = meta
+    return 3 * b + b * width + max(num_src, 0) + 3 * num_updates
+
+
+def run_step(runner: Runner, meta: list[int], payload: torch.Tensor, hidden: bool):
+    """One pass from its header, the same on every rank: rank 0 gets Runner.forward's result,
+    followers None (or (None, h))."""
+    _, b, width, num_updates, max_kv, num_src, last_only, num_layers = meta
+    rows, lens, q_lens, ids, src, updates = payload.split([b, b, b, b * width, max(num_src, 0), 3 * num_updates])
+    if num_updates:
+        runner.kv.apply_updates(updates.view(3, num_updates))
+    dev = runner.device
+    rows, lens, q_lens = rows.to(dev), lens.to(dev), q_lens.to(dev)
+    pos = lens[:, None] + torch.arange(width, device=dev)
+    ctx = AttnContext(rows, lens, q_lens, pos, width, max_kv, src.to(dev) if num_src >= 0 else None, runner.kv.tables)
+    ctx.splits = runner._splits(b, width, max_kv)
+    return runner.run(ids.view(b, width).to(dev), ctx, bool(last_only), num_layers or None, hidden)
+
+
+class ParallelRunner(Runner):
+    """Rank 0's target runner: every pass is announced to the followers, then run here."""
+
+    def __init__(self, model, kv: KVCache, attention: str, group: Group):
+        super().__init__(model, kv, attention)  # no CUDA graphs: their collectives are not captured yet
+        self.group = group
+        with self._failures():
+            group.broadcast_header(torch.tensor([kv.scratch_block, kv.block_size, kv.max_rows, kv.max_tokens]))
+
+    @torch.inference_mode()
+    def forward(self, rows, cache_lens, tokens, last_only, num_layers=None, trees=None, hidden=False):
+        if trees is not None and any(t is not None for t in trees):
+            raise NotImplementedError("draft trees are not verified under tensor parallelism yet")
+        meta, payload = encode(self.kv.take_updates(), rows, cache_lens, tokens, last_only, num_layers)
+        with self._failures():
+            self.group.broadcast_header(meta)
+            self.group.broadcast_header(payload)
+            return run_step(self, meta.tolist(), payload, hidden)
+
+    @torch.inference_mode()
+    def decode(self, rows, cache_lens, tokens: torch.Tensor) -> torch.Tensor:
+        return self.forward(rows, cache_lens, [[t] for t in tokens.tolist()], last_only=True)
+
+    def close(self) -> None:
+        """Stop the followers (where they still listen) and leave the group."""
+        try:
+            if all(p.is_alive() for p in self.group.procs):
+                self.group.broadcast_header(torch.tensor([STOP] + [0] * (META - 1)))
+        except (RuntimeError, dist.DistError):
+            pass
+        for p in self.group.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+        self.group.close()
+
+    @contextmanager
+    def _failures(self):
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as e:
+            dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.group.procs, 1) if not p.is_alive()]
+            if not dead and not isinstance(e, dist.DistError) and "gloo" not in str(e).lower():
+                raise  # not the group's failure
+            raise RankFailure(f"tensor-parallel group of {self.group.size} failed"
+                              f"{': ' + ', '.join(dead) + ' gone' if dead else ''} ({e})") from e
+
+
+def start_ranks(target: str, cfg, step_timeout_s: float = STEP_TIMEOUT_S) -> Group:
+    """Spawn ranks 1..N-1 of `cfg.tensor_parallel_size` for the target model directory and
+    join them as rank 0 (this process), on one host."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=follow, args=(r, cfg.tensor_parallel_size, port, str(target), cfg, step_timeout_s),
+                         name=f"tp-rank-{r}", daemon=True) for r in range(1, cfg.tensor_parallel_size)]
+    for p in procs:
+        p.start()
+    group = init_group(0, cfg.tensor_parallel_size, "127.0.0.1", port, cfg.device, step_timeout_s)
+    group.procs = procs
+    return group
+
+
+def follow(rank: int, size: int, port: int, target: str, cfg, step_timeout_s: float,
+           addr: str = "127.0.0.1") -> None:
+    """A follower rank's whole life: join, load its shard, mirror rank 0's passes until STOP."""
+    from cluster.engine.loader import load_model
+
+    torch.set_num_threads(max(1, torch.get_num_threads() // size))  # on a CPU the ranks share the host's cores
+    group = init_group(rank, size, addr, port, cfg.device, step_timeout_s)
+    try:
+        model = load_model(target, getattr(torch, cfg.dtype), group.device, group)  # float32, bfloat16, ...
+        s = model.shape
+        blocks, block_size, max_rows, max_tokens = group.broadcast_header(torch.zeros(SETUP, dtype=torch.int64)).tolist()
+        kv = KVCache(s.layers, blocks, block_size, s.kv_heads, s.head_dim, next(model.parameters()).dtype, group.device,
+                     max_rows, max_tokens, prefix_caching=False)
+        runner = Runner(model, kv, cfg.attention)
+        meta = torch.zeros(META, dtype=torch.int64)
+        with torch.inference_mode():
+            while True:
+                m = group.broadcast_header(meta).tolist()
+                if m[0] == STOP:
+                    break
+                payload = group.broadcast_header(torch.empty(payload_len(m), dtype=torch.int64))
+                run_step(runner, m, payload, hidden=False)
+    finally:
+        group.close()

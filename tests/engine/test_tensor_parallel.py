@@ -1,0 +1,193 @@
+"""Tensor parallelism on CPU (gloo, fp32): a target split over ranks produces exactly the
+tokens one process produces, for plain decoding, every colocated drafter and seeded sampling;
+nothing leaks; a dead rank is an error on rank 0, not a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.drafters.early_exit import EarlyExitDrafter
+from cluster.engine.drafters.model import ModelDrafter
+from cluster.engine.drafters.ngram import NgramDrafter
+from cluster.engine.engine import Engine
+from cluster.engine.loader import load_model
+from cluster.engine.model import ModelShape
+from cluster.engine.ranks import start_ranks
+from cluster.engine.sampling import SamplingParams
+from cluster.engine.sequence import SpecParams
+from cluster.engine.sharding import kv_heads_of, local_shape, take, vocab_rows, weight_slice
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "z", "the quick brown fox " * 6]
+GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
+
+
+def _shape(path) -> ModelShape:
+    from transformers import AutoConfig
+
+    return ModelShape.from_hf(AutoConfig.from_pretrained(path))
+
+
+def _engine(random_models, tokenizer, tp: int) -> Engine:
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, max_batch_tokens=64, tensor_parallel_size=tp)
+    group = start_ranks(str(random_models["llama"]), cfg) if tp > 1 else None
+    target = load_model(random_models["llama"], torch.float32, "cpu", group)
+    draft = load_model(random_models["llama_draft"], torch.float32, "cpu")
+    e = Engine(target, tokenizer, cfg, {"ngram": NgramDrafter(), "model": ModelDrafter(draft, 8, 256)}, "model")
+    e.drafters["early-exit"] = EarlyExitDrafter(e.runner, layers=1)
+    return e
+
+
+@pytest.fixture(scope="module")
+def single(random_models, tokenizer):
+    return _engine(random_models, tokenizer, 1)
+
+
+@pytest.fixture(scope="module")
+def split(random_models, tokenizer):
+    """Rank 0 of two, in this process (a process holds one group: other group sizes run in
+    their own processes, tests.engine.tp_rank0)."""
+    e = _engine(random_models, tokenizer, 2)
+    yield e
+    e.close()
+    assert all(not p.is_alive() for p in e.runner.group.procs), "a follower outlived STOP"
+
+
+@pytest.mark.parametrize("drafter,spec", [(None, SpecParams("off")), ("model", SpecParams("fixed", 4)),
+                                          ("ngram", SpecParams("fixed", 3)), ("early-exit", SpecParams("fixed", 2))])
+def test_greedy_tokens_match_one_process(single, split, drafter, spec):
+    want = single.generate(PROMPTS, GREEDY, spec, drafter)
+    got = split.generate(PROMPTS, GREEDY, spec, drafter)
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
+    if drafter in ("model", "early-exit"):
+        assert sum(r["spec"]["drafted"] for r in got) > 0, "it speculated"
+    assert split.kv.held() == (0, 0) and not split.seqs
+
+
+def test_seeded_sampling_matches_one_process(single, split):
+    sp = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    for spec in (SpecParams("off"), SpecParams("fixed", 3)):
+        want = single.generate(PROMPTS, sp, spec, "model")
+        got = split.generate(PROMPTS, sp, spec, "model")
+        assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
+    assert split.kv.held() == (0, 0)
+
+
+def test_each_rank_holds_its_own_kv_heads(split, single):
+    """The KV pool of a rank has its share of the KV heads (here 2 heads over 2 ranks: one)."""
+    assert split.kv.k.shape[-2] == single.kv.k.shape[-2] // 2
+    assert split.model.shape.heads == single.model.shape.heads // 2
+    assert split.model.lm_head.weight.shape[0] == single.model.shape.vocab_size // 2
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_shards_reassemble_the_weights(random_models, size):
+    """Every rank's slices, read lazily from the safetensors file, put back together are the
+    model's weights: q and MLP rows and o/down columns split in order, KV heads split, or
+    with fewer KV heads than ranks (2 over 4) each rank holding its q heads' KV head."""
+    from safetensors import safe_open
+
+    path = random_models["llama"]
+    shape, full = _shape(path), load_file(path / "model.safetensors")
+    parts = {r: {} for r in range(size)}
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            for r in range(size):
+                sl = f.get_slice(name)
+                parts[r][name] = take(sl, sl.get_shape(), weight_slice(name, shape, r, size))
+    p = "model.layers.1."
+    for name, dim in ((p + "self_attn.q_proj.weight", 0), (p + "mlp.gate_proj.weight", 0),
+                      (p + "self_attn.o_proj.weight", 1), (p + "mlp.down_proj.weight", 1),
+                      ("model.embed_tokens.weight", 0), ("lm_head.weight", 0)):
+        assert torch.equal(torch.cat([parts[r][name] for r in range(size)], dim), full[name]), name
+    d = shape.head_dim
+    for r in range(size):
+        first, n = kv_heads_of(shape, r, size)
+        q_heads = range(r * shape.heads // size, (r + 1) * shape.heads // size)
+        group = shape.heads // shape.kv_heads
+        assert {h // group for h in q_heads} == set(range(first, first + n)), "q heads read their own KV heads"
+        assert torch.equal(parts[r][p + "self_attn.k_proj.weight"], full[p + "self_attn.k_proj.weight"][first * d:(first + n) * d])
+        assert torch.equal(parts[r][p + "input_layernorm.weight"], full[p + "input_layernorm.weight"])
+    assert local_shape(shape, size).kv_heads == max(1, shape.kv_heads // size)
+
+
+def test_vocab_slices_pad_the_last_rank():
+    t = torch.arange(10.0)[:, None].repeat(1, 3)
+    start, rows = vocab_rows(10, 2, 3)
+    assert (start, rows) == (8, 4)
+    part = take(t, list(t.shape), (0, start, start + rows))
+    assert torch.equal(part[:2], t[8:]) and not part[2:].any()
+
+
+@pytest.mark.parametrize("size,heads,kv", [(3, 4, 2), (4, 8, 3), (2, 4, 2)])
+def test_shapes_that_do_not_split_are_refused(random_models, size, heads, kv):
+    from dataclasses import replace
+
+    from cluster.engine.sharding import check
+
+    shape = replace(_shape(random_models["llama"]), heads=heads, kv_heads=kv)
+    if heads % size == 0 and (kv % size == 0 if kv >= size else size % kv == 0):
+        check(shape, size)
+    else:
+        with pytest.raises(ValueError, match="tensor_parallel_size"):
+            check(shape, size)
+
+
+def test_fp8_cache_is_refused_with_tensor_parallelism():
+    with pytest.raises(ValueError, match="fp8"):
+        EngineConfig(tensor_parallel_size=2, kv_cache_dtype="fp8")
+
+
+def _rank0(*args, timeout: float) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "tests.engine.tp_rank0", *map(str, args)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_killed_rank_is_an_error_on_rank_0_not_a_hang(random_models):
+    """SIGKILL rank 1 mid-generation: rank 0's next step raises RankFailure naming the rank,
+    well before the step timeout (30 s here), and the process exits."""
+    t0 = time.perf_counter()
+    out = _rank0("kill", random_models["llama"], 2, timeout=240)
+    assert out["error"] == "RankFailure", out
+    assert "rank 1" in out["message"] and out["seconds"] < 30, out
+    assert time.perf_counter() - t0 < 240
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,tp", [("qwen2", 2), ("llama", 4)])
+def test_other_splits_match_one_process(random_models, model, tp):
+    """Qwen2 (q/k/v biases, tied embeddings) over 2 ranks; 2 KV heads replicated over 4 ranks."""
+    want = _rank0("generate", random_models[model], 1, timeout=600)
+    got = _rank0("generate", random_models[model], tp, timeout=600)
+    assert got == want and got["held"] == [0, 0]
+
+
+def test_cli_local_starts_the_ranks_itself(demo_pair, tmp_path):
+    """`spec-cluster generate --local` with engine.tensor_parallel_size: 2 in the config file:
+    the demo pair's greedy text is the one-process text, and the followers are gone after."""
+    def run(tp: int) -> dict:
+        cfg = tmp_path / f"tp{tp}.yaml"
+        cfg.write_text(f"engine:\n  tensor_parallel_size: {tp}\n  max_num_seqs: 4\n  max_model_len: 256\n")
+        cmd = [sys.executable, "-m", "cluster.cli", "generate", "def parse_args(argv):\n", "--local", "--json",
+               "--config", str(cfg), "--max-tokens", "24", "--speculation", "3", "--drafter", "model"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout)
+
+    one, two = run(1), run(2)
+    assert two["token_ids"] == one["token_ids"] and len(two["token_ids"]) == 24
+    assert two["spec"]["drafted"] > 0
