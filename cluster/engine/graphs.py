@@ -47,7 +47,15 @@ class _Graph:
         self.rows, self.lens = self.inputs[n:n + batch], self.inputs[n + batch:]
         self.rows.fill_(kv.scratch_row)
         self.graph = torch.cuda.CUDAGraph()
-        run = lambda: model(self.ids, *self._ctx(model, kv, width), num_layers)  # noqa: E731
+        # an EAGLE-3 drafter's aux hidden states are outputs of every full-model graph
+        self.aux: torch.Tensor | None = None
+        taken: list = []
+
+        def run():
+            taken.clear()
+            return model(self.ids, *self._ctx(model, kv, width), num_layers,
+                         aux=taken if model.aux_layers and num_layers is None else None)
+
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         V = model.shape.vocab_size
@@ -64,6 +72,7 @@ class _Graph:
         with torch.cuda.graph(self.graph, pool=pool):
             self.hidden = run()  # kept for drafters that read the target's hidden states (Medusa)
             self.out = head(self.hidden)
+        self.aux = taken[0] if taken else None
 
     def _ctx(self, model, kv, width: int):
         from cluster.engine.paged_attention import num_splits
@@ -145,16 +154,17 @@ class GraphRunner:
 
     @torch.inference_mode()
     def forward(self, rows: list[int], cache_lens: list[int], tokens: list[list[int]],
-                num_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, T, V] logits and [B, T, D] hidden states (static buffers: read them before the
-        next replay); T = the longest row (a prefill width: its graph's T, and logits None).
-        `num_layers` < all: an early-exit pass."""
+                num_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """[B, T, V] logits, [B, T, D] hidden states and [B, T, A] aux hidden states (None
+        without model.aux_layers): static buffers, read them before the next replay; T = the
+        longest row (a prefill width: its graph's T, and logits None). `num_layers` < all:
+        an early-exit pass."""
         b, width = len(tokens), self._width(max(map(len, tokens)))
         g = self._prepare(rows, cache_lens, tokens, width, num_layers)
         g.graph.replay()
         if width <= self.max_width:  # a prefill pass between pipelined decode steps keeps `last`
             self.last = (g, b) if width == 1 and num_layers is None else None
-        return (None if g.out is None else g.out[:b]), g.hidden[:b]
+        return (None if g.out is None else g.out[:b]), g.hidden[:b], (None if g.aux is None else g.aux[:b])
 
     @torch.inference_mode()
     def decode(self, rows: list[int], cache_lens: list[int], tokens: torch.Tensor) -> torch.Tensor:

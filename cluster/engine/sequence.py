@@ -92,6 +92,9 @@ class Sequence:
     # (len(token_ids) when taken, the target's last hidden state [D] there): kept only while a
     # drafter reads hidden states (Drafter.reads_hidden), and only fresh while the length still matches
     hidden: tuple[int, torch.Tensor] | None = None
+    # (first position, [n, A]): the target's aux hidden states not yet sent to an EAGLE-3
+    # drafter (cluster.engine.aux_hidden); kept only while this sequence's drafter reads them
+    aux: tuple[int, torch.Tensor] | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)
