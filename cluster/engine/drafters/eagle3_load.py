@@ -22,6 +22,7 @@ missing name is an error that names it, never a silently random weight.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -150,6 +151,8 @@ def load_head(path: str | Path, target_layers: int, dtype: torch.dtype = torch.f
     for f in files:
         raw.update(load_file(f))
     state = convert_state(raw, str(path))
+    # biases are the files' to say (the speculators layout's fc has one)
+    hc = replace(hc, fc_bias="fc.bias" in state, qkv_bias=hc.qkv_bias or "qkv_proj.bias" in state)
     t2d = state.pop("t2d", None)
     if "d2t" not in state:
         if hc.draft_vocab != hc.vocab_size:
