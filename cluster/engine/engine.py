@@ -274,7 +274,8 @@ class Engine:
         """Greedy plain decoding on CUDA graphs runs a step ahead (cluster.engine.pipeline);
         not where a drafter reads the target's hidden states, which that path skips."""
         return (self.pipeline is not None and not any(drafts.tokens) and self.pipeline.eligible(seqs)
-                and not any(d.reads_hidden or d.aux_layers for d in self.drafters.values()))
+                and not any(d.reads_hidden for d in self.drafters.values())
+                and not any(self._reads_aux(s) for s in seqs))
 
     def _reads_aux(self, seq: Sequence) -> bool:
         """This sequence's drafter reads the target's aux hidden states (EAGLE-3)."""

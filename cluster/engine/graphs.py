@@ -34,9 +34,11 @@ def bucket(batch: int) -> int:
 
 
 class _Graph:
-    def __init__(self, model, kv, batch: int, width: int, pool, num_layers: int | None, logits: torch.Tensor | None):
+    def __init__(self, model, kv, batch: int, width: int, pool, num_layers: int | None, logits: torch.Tensor | None,
+                 aux: torch.Tensor | None = None):
         """logits: the buffer every graph writes its [batch, width, V] logits into (in the
-        weights' dtype); None: hidden states only (a prefill width)."""
+        weights' dtype); None: hidden states only (a prefill width). aux: the one buffer
+        every graph writes its [batch, width, A] aux hidden states into (model.aux_layers)."""
         dev = kv.k.device
         # ids, rows and lens in one buffer: a step's inputs are one copy from pinned memory
         n = batch * width
@@ -61,9 +63,14 @@ class _Graph:
         V = model.shape.vocab_size
         out = None if logits is None else logits[: n * V].view(batch, width, V)
 
+        A = model.shape.hidden * len(model.aux_layers)
+        self.aux = None if aux is None or num_layers is not None else aux[: n * A].view(batch, width, A)
+
         def head(h):
             if out is not None:
                 out.copy_(model.logits(h, fp32=False))
+            if self.aux is not None:
+                self.aux.copy_(taken[0])
             return out
 
         with torch.cuda.stream(stream):
@@ -72,7 +79,6 @@ class _Graph:
         with torch.cuda.graph(self.graph, pool=pool):
             self.hidden = run()  # kept for drafters that read the target's hidden states (Medusa)
             self.out = head(self.hidden)
-        self.aux = taken[0] if taken else None
 
     def _ctx(self, model, kv, width: int):
         from cluster.engine.paged_attention import num_splits
@@ -106,6 +112,13 @@ class GraphRunner:
         # logits before the next, so a buffer per graph (fp32 [B, T, V] each, ~15 GB over the
         # graphs of an 8B engine at batch 256) would only hold memory the KV pool can use.
         self.logits: torch.Tensor | None = None
+        # One aux buffer too (an EAGLE-3 drafter's), sized for the widest graph at once: every
+        # graph keeping its own would hold up to 3x its hidden states' memory each.
+        self.aux: torch.Tensor | None = None
+        if model.aux_layers:
+            w = next(model.parameters())
+            rows = max(BUCKETS[-1] * max_width, max_tokens)
+            self.aux = torch.empty(rows * model.shape.hidden * len(model.aux_layers), dtype=w.dtype, device=w.device)
         self.max_batch_seen = 1
         self.max_batch, self.device = BUCKETS[-1], kv.k.device
         self.last: tuple[_Graph, int] | None = None  # the graph replayed last and its live rows
@@ -122,7 +135,7 @@ class GraphRunner:
                 key = (bk, width, None)
                 if key not in self.graphs and (width <= self.max_width or bk * width <= self.max_tokens):
                     self.graphs[key] = _Graph(self.model, self.kv, bk, width, self.pool, None,
-                                              self._logits(bk, width) if width <= self.max_width else None)
+                                              self._logits(bk, width) if width <= self.max_width else None, self.aux)
         torch.cuda.synchronize()
         log.info("captured %d CUDA graphs (batch up to %d) in %.1f s", len(self.graphs) - before, max_batch,
                  time.perf_counter() - t0)
@@ -184,7 +197,7 @@ class GraphRunner:
         if g is None:
             log.info("capturing CUDA graph for batch %d x width %d (layers %s)", bk, width, num_layers or "all")
             g = self.graphs[key] = _Graph(self.model, self.kv, bk, width, self.pool, num_layers,
-                                          self._logits(bk, width) if width <= self.max_width else None)
+                                          self._logits(bk, width) if width <= self.max_width else None, self.aux)
         g.copied.synchronize()
         host = g.host.numpy()
         n = bk * width
