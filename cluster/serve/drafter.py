@@ -41,6 +41,7 @@ class DrafterDeployment:
         cfg = ClusterConfig.model_validate(config)
         builders = {"model": build_model_drafter, "eagle3": build_eagle3_drafter}
         self.drafters = {name: builders[name](cfg) for name in remote_drafters(cfg)}
+        self.calls = dict.fromkeys(self.drafters, 0)  # draft calls served, by drafter
         self.lock = threading.RLock()  # propose_from holds it across propose
         self.server = DraftServer(self.propose_from, ray.util.get_node_ip_address())
         self.demand = DraftDemandMeter()
@@ -60,6 +61,7 @@ class DrafterDeployment:
             self._forget(release)
             now = self._expire()
             self.last_used.update((r.seq_id, now) for r in requests)
+            self.calls[drafter] += 1
             return self.drafters[drafter].propose(requests)
 
     def propose_from(self, requests: list[DraftRequest], starts: list[int], release: list[str],
@@ -93,12 +95,12 @@ class DrafterDeployment:
             self.server.stop()
 
     def info(self) -> dict:
-        """Sequences with draft state here, and where this replica runs."""
+        """Sequences with draft state here, draft calls served by drafter, where this replica runs."""
         import ray
 
         with self.lock:
             self._expire()
-            return {"sequences": sum(len(d.state) for d in self.drafters.values()),
+            return {"sequences": sum(len(d.state) for d in self.drafters.values()), "calls": dict(self.calls),
                     "node_id": ray.get_runtime_context().get_node_id()}
 
     def _forget(self, seq_ids: list[str]) -> None:

@@ -54,10 +54,12 @@ def features(model, seqs: torch.Tensor, ids: torch.Tensor, batch: int = 64):
     """(sequences [N, T], aux hidden states [N, T, A], the target's logits on the draft
     vocabulary [N, T, Vd] (both bf16: memory), the target's argmax [N, T])."""
     s, (N, T) = model.shape, seqs.shape
+    dev = next(model.parameters()).device
+    seqs, ids = seqs.to(dev), ids.to(dev)
     auxs, logits, top = [], [], []
     for i in tqdm(range(0, N, batch), desc="target features", leave=False):
         chunk = seqs[i:i + batch]
-        kv = KVCache.dense(s.layers, len(chunk), T + 1, s.kv_heads, s.head_dim, torch.float32, "cpu")
+        kv = KVCache.dense(s.layers, len(chunk), T + 1, s.kv_heads, s.head_dim, torch.float32, dev)
         lg, _, aux = Runner(model, kv, "sdpa").forward(list(range(len(chunk))), [0] * len(chunk), chunk.tolist(),
                                                         last_only=False, aux=True)
         auxs.append(aux.to(torch.bfloat16))
@@ -86,7 +88,7 @@ def new_head(model, aux_layers: tuple[int, ...], ids: torch.Tensor) -> Eagle3Hea
         head.embed_tokens.weight = model.embed_tokens.weight  # shared and frozen, as in serving
         head.lm_head.weight.copy_(model.lm_head.weight[ids])
         head.norm.weight.copy_(model.norm.weight)
-        head.d2t.copy_(ids - torch.arange(len(ids)))
+        head.d2t.copy_(ids.cpu() - torch.arange(len(ids)))
         head.fc.weight.mul_(0.5)
     return head
 
@@ -100,7 +102,7 @@ def _attend(q, keys0, vals0, diag_k, diag_v) -> torch.Tensor:
     k0 = keys0.repeat_interleave(rep, 2).transpose(1, 2)
     v0 = vals0.repeat_interleave(rep, 2).transpose(1, 2)
     scores = qh @ k0.transpose(-1, -2) / math.sqrt(d)                      # [B, H, T, T]
-    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~causal, float("-inf"))
     dk = [k.repeat_interleave(rep, 2).transpose(1, 2) for k in diag_k]     # each [B, H, T, d]
     dv = [v.repeat_interleave(rep, 2).transpose(1, 2) for v in diag_v]
@@ -118,7 +120,7 @@ def ttt_losses(head: Eagle3Head, tokens, aux, target_logits, target_top, steps: 
     target_top [B, T] (the target's argmax over its whole vocabulary)."""
     B, T = tokens.shape
     P = T - 1                                                  # positions 0 .. T-2 have a next token
-    pos = torch.arange(P)
+    pos = torch.arange(P, device=tokens.device)
     x = head.combine(aux[:, :P].float())
     keys0 = vals0 = None
     diag_k, diag_v, out = [], [], []
@@ -150,7 +152,7 @@ def make_sequences(model, tok, split: str, n: int, args, seed: int) -> torch.Ten
     for chunk, temp in ((prompts[:n_greedy], 0.0), (prompts[n_greedy:], args.temperature)):
         if chunk:
             _, y = continuations(model, chunk, args.new_tokens, temp, seed, desc=f"{split} continuations")
-            parts.append(torch.cat([torch.tensor(chunk), y], 1))
+            parts.append(torch.cat([torch.tensor(chunk), y.cpu()], 1))
     return torch.cat(parts)
 
 
@@ -159,13 +161,17 @@ def train(head, data, ids, args) -> list[float]:
     params = [p for n, p in head.named_parameters() if n != "embed_tokens.weight"]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     steps = args.epochs * math.ceil(len(seqs) / args.batch)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 30) * 0.5 * (1 + math.cos(math.pi * i / steps)))
+    start, budget = time.monotonic(), 60 * args.minutes
+    # cosine decay over the steps or the time budget, whichever runs out first (a shared CPU
+    # makes the number of steps a time budget allows unknowable in advance)
+    done = lambda i: min(1.0, max(i / steps, (time.monotonic() - start) / budget))  # noqa: E731
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 30) * 0.5 * (1 + math.cos(math.pi * done(i))))
     gen = torch.Generator().manual_seed(args.seed)
-    deadline = time.monotonic() + 60 * args.minutes
+    deadline = start + budget
     losses, bar = [], tqdm(total=steps, desc="train eagle3 head", unit="step")
     head.train()
     for step in range(steps):
-        idx = torch.randint(0, len(seqs), (args.batch,), generator=gen)
+        idx = torch.randint(0, len(seqs), (args.batch,), generator=gen).to(seqs.device)
         per_step = ttt_losses(head, seqs[idx], aux[idx], logits[idx], top[idx], args.ttt_steps, ids)
         loss = sum(0.8 ** j * l for j, (l, _) in enumerate(per_step))
         opt.zero_grad(set_to_none=True)
@@ -216,6 +222,7 @@ def parse_args(argv):
     ap.add_argument("--minutes", type=float, default=5.0, help="time budget of the training loop")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the target and the head, fp32)")
     return ap.parse_args(argv)
 
 
@@ -224,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     t0 = time.monotonic()
-    model = load_model(args.target, torch.float32, "cpu")
+    model = load_model(args.target, torch.float32, args.device)
     for p in model.parameters():
         p.requires_grad_(False)  # frozen: only the head learns
     tok = load_tokenizer(args.target)
@@ -233,9 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     model.aux_layers = aux_layers
     seqs = make_sequences(model, tok, "train", args.prompts, args, args.seed)
     ids, coverage = draft_vocab(seqs, model.shape.vocab_size, args.draft_vocab)
+    ids = ids.to(args.device)
     data = features(model, seqs, ids)
     val = features(model, make_sequences(model, tok, "val", args.eval_prompts, args, args.seed + 1), ids)
-    head = new_head(model, aux_layers, ids)
+    head = new_head(model, aux_layers, ids).to(args.device)
     before = evaluate(head, val, ids, args.ttt_steps)
     losses = train(head, data, ids, args)
     acc = evaluate(head, val, ids, args.ttt_steps)
@@ -247,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                          "seconds": round(time.monotonic() - t0, 1),
                          **{k: v for k, v in vars(args).items() if k not in ("target", "out", "threads")}}}
     out = Path(args.out or Path(args.target) / OUT_DIR)
-    path = save_head(head, out, meta)
+    path = save_head(head.cpu(), out, meta)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB) and {out / 'config.json'}")
     return 0
 
