@@ -84,8 +84,11 @@ class Eagle3Drafter(Drafter):
     # ---- per-sequence state ----------------------------------------------------------------
     def _state(self, r: DraftRequest, keep: set[str]) -> _State | None:
         st = self.state.get(r.seq_id)
-        if st is not None and r.token_ids[: len(st.tokens)] != st.tokens:
-            self.release([r.seq_id])  # not the sequence it held (a reused id, a recomputation)
+        # not the sequence it held (a reused id)? the tail tells: a whole-list compare per row
+        # and step would cost O(context) in Python, and a wrong guess costs drafts, not tokens
+        n = len(st.tokens) if st is not None else 0
+        if st is not None and (len(r.token_ids) < n or r.token_ids[max(0, n - 8):n] != st.tokens[-8:]):
+            self.release([r.seq_id])
             st = None
         first = r.aux_start if r.aux is not None and len(r.aux) else None
         if st is not None and first is not None and first > st.n:
@@ -179,7 +182,7 @@ class Eagle3Drafter(Drafter):
             st, f = states[i], feed[i]
             st.out = out[j, len(f) - 1]
             st.n = f.stop
-            st.tokens = reqs[i].token_ids[: st.n + 1]
+            st.tokens += reqs[i].token_ids[len(st.tokens): st.n + 1]  # token_ids[:n + 1], extended
 
     def _pass(self, sts: list[_State], cache_lens: list[int], ids: torch.Tensor, x: torch.Tensor,
               q_lens: list[int], tree: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> torch.Tensor:
