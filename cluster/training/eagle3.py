@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from cluster.engine.drafters.eagle3_head import Eagle3Head, HeadConfig

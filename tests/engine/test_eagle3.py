@@ -200,7 +200,7 @@ def test_cli_local_eagle3(demo_pair):
 
     cmd = [sys.executable, "-m", "cluster.cli", "generate", "def parse_args(argv):\n", "--local", "--json",
            "--max-tokens", "24", "--speculation", "4", "--drafter", "eagle3"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["token_ids"]) == 24 and out["spec"]["accepted"] > 0
