@@ -1,4 +1,4 @@
-"""`spec-cluster`: up | generate | models train-demo | models train-medusa | bench."""
+"""`spec-cluster`: up | generate | models train-demo | models train-medusa | models train-eagle3 | bench."""
 
 from __future__ import annotations
 
@@ -66,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     msub = m.add_subparsers(dest="models_cmd", required=True, parser_class=_Parser)
     msub.add_parser("train-demo", help="train the demo target/drafter pair", add_help=False)
     msub.add_parser("train-medusa", help="train Medusa heads beside a target (--target DIR)", add_help=False)
+    msub.add_parser("train-eagle3", help="train an EAGLE-3 head beside a target (--target DIR)", add_help=False)
 
     b = sub.add_parser("bench", help="benchmarks (see --help of each)", add_help=False)
     b.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -82,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         from cluster.training.medusa import main as train_medusa
 
         return train_medusa(argv[2:]) or 0
+    if argv[:2] == ["models", "train-eagle3"]:
+        from cluster.training.eagle3 import main as train_eagle3
+
+        return train_eagle3(argv[2:]) or 0
     if argv[:1] == ["bench"]:
         from cluster.bench.cli import main as bench
 

@@ -40,7 +40,13 @@ class ModelsConfig(_Strict):
     """Default proposer, a name from the drafter registry (cluster/engine/drafters/registry.py):
     model (the draft model), ngram (prompt lookup), medusa (heads beside the target, from
     `spec-cluster models train-medusa`; in-process, gamma = tree nodes), early-exit (the
-    target's first layers; in-process), or none (plain decoding)."""
+    target's first layers; in-process), eagle3 (an EAGLE-3 head, models.eagle3), or none
+    (plain decoding)."""
+    eagle3: str | None = None
+    """EAGLE-3 head directory (the original release, a LlamaForCausalLMEagle3 repack or the
+    speculators layout), or null: the head beside the target (`<target>/eagle3`, written by
+    `spec-cluster models train-eagle3`) where there is one. Drafter `eagle3` runs it in the
+    verifier's process (colocated) or in the Drafter replicas (disaggregated)."""
     early_exit_layers: int = Field(0, ge=0)
     """Layers the early-exit drafter runs; 0: a quarter of the target's."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

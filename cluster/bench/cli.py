@@ -9,6 +9,7 @@ BENCHES = {
     "load": ("cluster.bench.load", "concurrency sweep: in-process, via gRPC or the OpenAI API; --baseline hf"),
     "engine": ("cluster.bench.engine_bench", "single-stream engine speed: off / n-gram / draft model x gamma"),
     "medusa": ("cluster.bench.medusa_bench", "Medusa heads (tree sizes) against the n-gram and draft-model drafters"),
+    "eagle3": ("cluster.bench.eagle3_bench", "EAGLE-3 against the draft model and Medusa: acceptance at T=0 and 0.7"),
     "serve": ("cluster.bench.serve_bench", "through Ray Serve + gRPC: colocated vs disaggregated drafting"),
     "policy": ("cluster.bench.policy_bench", "speculation policies against concurrency"),
     "routing": ("cluster.bench.routing_bench", "cache-aware vs default routing on shared prefixes"),

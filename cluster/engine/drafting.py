@@ -79,6 +79,7 @@ class DraftPlanner:
             if res is not None:
                 for j, b in enumerate(fresh[name]):
                     self._fill(out, b, res, j, 0, rows[b][1])
+                    rows[b][0].aux = None  # the drafter has these aux states now
         self.steps += 1
         return out
 
@@ -107,6 +108,8 @@ class DraftPlanner:
             req.hidden = s.hidden[1]  # fresh: taken at this length (Sequence.hidden)
         if drafter.reads_target_kv:
             req.target_kv = (s.kv.row, s.num_cached)
+        if drafter.aux_layers and s.aux is not None:
+            req.aux_start, req.aux = s.aux
         return req
 
     @staticmethod

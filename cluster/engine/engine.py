@@ -21,6 +21,7 @@ import torch
 from cluster.engine import fp8
 from cluster.engine.acceptance import Accepted, accept
 from cluster.engine.attention import make_backend
+from cluster.engine.aux_hidden import accepted_rows, keep_aux
 from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.base import Drafter, DraftOutput
 from cluster.engine.drafting import DraftPlanner
@@ -54,6 +55,11 @@ class Engine:
         p = next(model.parameters())
         if model.backend is None:
             model.backend = make_backend(cfg.attention, p.device, p.dtype)
+        # the target passes capture what an EAGLE-3 drafter reads (before any graph is captured)
+        aux = {d.aux_layers for d in (drafters or {}).values() if d.aux_layers}
+        if len(aux) > 1:
+            raise ValueError(f"drafters read different target layers {sorted(aux)}; one EAGLE-3 head per engine")
+        model.aux_layers = aux.pop() if aux else ()
         if cfg.compile and p.device.type == "cuda":
             compile_kernels()
         # positions a row can address: spare ones past max_model_len take the padded writes of
@@ -201,10 +207,12 @@ class Engine:
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
         seqs = [s for s, _ in chunks]
         feeds = [s.token_ids[s.num_cached:s.num_cached + n] for s, n in chunks]
-        logits, hidden = self.runner.forward([s.kv.row for s in seqs], [s.num_cached for s in seqs], feeds, True,
-                                             hidden=True)
+        logits, hidden, aux = self.runner.forward([s.kv.row for s in seqs], [s.num_cached for s in seqs], feeds, True,
+                                                  hidden=True, aux=True)
         done = []
         for b, (seq, n) in enumerate(chunks):
+            if aux is not None and self._reads_aux(seq):
+                keep_aux(seq, seq.num_cached, aux[b, :n])
             seq.num_cached += n
             self.scheduler.settle(seq)
             if seq.prefilled and not seq.num_output:  # a fresh prompt's last position: its first token
@@ -246,8 +254,8 @@ class Engine:
         else:
             if self.pipeline is not None:
                 self.pipeline.interrupt()
-            logits, hidden = self.runner.forward([s.kv.row for s in seqs], [s.num_cached for s in seqs], feeds,
-                                                 last_only=False, trees=drafts.parents, hidden=True)
+            logits, hidden, aux = self.runner.forward([s.kv.row for s in seqs], [s.num_cached for s in seqs], feeds,
+                                                      last_only=False, trees=drafts.parents, hidden=True, aux=True)
             self.planner.ask_ahead(rows, drafts)  # on a GPU the verify pass runs meanwhile
             result = self._acceptance(seqs, logits, drafts)
             if drafts.parents is not None:  # tree rows: the accepted path's K/V moves up behind the root
@@ -256,6 +264,9 @@ class Engine:
                         keep_path(self.kv, s.kv, s.num_cached, result.paths[b])
             out = result.tokens
             ends = [result.last_fed(b) for b in range(len(seqs))]
+            for b, s in enumerate(seqs):  # the accepted positions' aux states, before num_cached moves
+                if aux is not None and self._reads_aux(s):
+                    keep_aux(s, s.num_cached, aux[b, accepted_rows(result.paths[b])])
             lps = self._logprobs(seqs, logits, result)
             accepted = self._keep_hidden(self._accept(seqs, out, [len(d) for d in drafts.tokens], lps), hidden, ends)
         t2 = time.perf_counter()
@@ -278,6 +289,7 @@ class Engine:
         not where a drafter reads the target's hidden states, which that path skips."""
         return (self.pipeline is not None and not any(drafts.tokens) and self.pipeline.eligible(seqs)
                 and not any(d.reads_hidden for d in self.drafters.values())
+                and not any(self._reads_aux(s) for s in seqs)
                 and all(s.params.logprobs is None for s in seqs))  # it keeps no logits
 
     @staticmethod
@@ -290,6 +302,11 @@ class Engine:
             return None
         feeds = [[0] + [p + 1 for p in path] for path in result.paths]
         return emitted_logprobs(logits, wants, result.tokens, feeds)
+
+    def _reads_aux(self, seq: Sequence) -> bool:
+        """This sequence's drafter reads the target's aux hidden states (EAGLE-3)."""
+        d = self.drafters.get(seq.drafter or self.default_drafter or "")
+        return d is not None and bool(d.aux_layers) and seq.spec.mode != "off"
 
     def _left(self, seq: Sequence) -> int:
         return min(seq.params.max_tokens - seq.num_output, self.max_model_len - len(seq.token_ids))

@@ -34,9 +34,11 @@ def bucket(batch: int) -> int:
 
 
 class _Graph:
-    def __init__(self, model, kv, batch: int, width: int, pool, num_layers: int | None, logits: torch.Tensor | None):
+    def __init__(self, model, kv, batch: int, width: int, pool, num_layers: int | None, logits: torch.Tensor | None,
+                 aux: torch.Tensor | None = None):
         """logits: the buffer every graph writes its [batch, width, V] logits into (in the
-        weights' dtype); None: hidden states only (a prefill width)."""
+        weights' dtype); None: hidden states only (a prefill width). aux: the one buffer
+        every graph writes its [batch, width, A] aux hidden states into (model.aux_layers)."""
         dev = kv.k.device
         # ids, rows and lens in one buffer: a step's inputs are one copy from pinned memory
         n = batch * width
@@ -47,15 +49,28 @@ class _Graph:
         self.rows, self.lens = self.inputs[n:n + batch], self.inputs[n + batch:]
         self.rows.fill_(kv.scratch_row)
         self.graph = torch.cuda.CUDAGraph()
-        run = lambda: model(self.ids, *self._ctx(model, kv, width), num_layers)  # noqa: E731
+        # an EAGLE-3 drafter's aux hidden states are outputs of every full-model graph
+        self.aux: torch.Tensor | None = None
+        taken: list = []
+
+        def run():
+            taken.clear()
+            return model(self.ids, *self._ctx(model, kv, width), num_layers,
+                         aux=taken if model.aux_layers and num_layers is None else None)
+
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         V = model.shape.vocab_size
         out = None if logits is None else logits[: n * V].view(batch, width, V)
 
+        A = model.shape.hidden * len(model.aux_layers)
+        self.aux = None if aux is None or num_layers is not None else aux[: n * A].view(batch, width, A)
+
         def head(h):
             if out is not None:
                 out.copy_(model.logits(h, fp32=False))
+            if self.aux is not None:
+                self.aux.copy_(taken[0])
             return out
 
         with torch.cuda.stream(stream):
@@ -97,6 +112,13 @@ class GraphRunner:
         # logits before the next, so a buffer per graph (fp32 [B, T, V] each, ~15 GB over the
         # graphs of an 8B engine at batch 256) would only hold memory the KV pool can use.
         self.logits: torch.Tensor | None = None
+        # One aux buffer too (an EAGLE-3 drafter's), sized for the widest graph at once: every
+        # graph keeping its own would hold up to 3x its hidden states' memory each.
+        self.aux: torch.Tensor | None = None
+        if model.aux_layers:
+            w = next(model.parameters())
+            rows = max(BUCKETS[-1] * max_width, max_tokens)
+            self.aux = torch.empty(rows * model.shape.hidden * len(model.aux_layers), dtype=w.dtype, device=w.device)
         self.max_batch_seen = 1
         self.max_batch, self.device = BUCKETS[-1], kv.k.device
         self.last: tuple[_Graph, int] | None = None  # the graph replayed last and its live rows
@@ -113,7 +135,7 @@ class GraphRunner:
                 key = (bk, width, None)
                 if key not in self.graphs and (width <= self.max_width or bk * width <= self.max_tokens):
                     self.graphs[key] = _Graph(self.model, self.kv, bk, width, self.pool, None,
-                                              self._logits(bk, width) if width <= self.max_width else None)
+                                              self._logits(bk, width) if width <= self.max_width else None, self.aux)
         torch.cuda.synchronize()
         log.info("captured %d CUDA graphs (batch up to %d) in %.1f s", len(self.graphs) - before, max_batch,
                  time.perf_counter() - t0)
@@ -145,16 +167,17 @@ class GraphRunner:
 
     @torch.inference_mode()
     def forward(self, rows: list[int], cache_lens: list[int], tokens: list[list[int]],
-                num_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, T, V] logits and [B, T, D] hidden states (static buffers: read them before the
-        next replay); T = the longest row (a prefill width: its graph's T, and logits None).
-        `num_layers` < all: an early-exit pass."""
+                num_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """[B, T, V] logits, [B, T, D] hidden states and [B, T, A] aux hidden states (None
+        without model.aux_layers): static buffers, read them before the next replay; T = the
+        longest row (a prefill width: its graph's T, and logits None). `num_layers` < all:
+        an early-exit pass."""
         b, width = len(tokens), self._width(max(map(len, tokens)))
         g = self._prepare(rows, cache_lens, tokens, width, num_layers)
         g.graph.replay()
         if width <= self.max_width:  # a prefill pass between pipelined decode steps keeps `last`
             self.last = (g, b) if width == 1 and num_layers is None else None
-        return (None if g.out is None else g.out[:b]), g.hidden[:b]
+        return (None if g.out is None else g.out[:b]), g.hidden[:b], (None if g.aux is None else g.aux[:b])
 
     @torch.inference_mode()
     def decode(self, rows: list[int], cache_lens: list[int], tokens: torch.Tensor) -> torch.Tensor:
@@ -174,7 +197,7 @@ class GraphRunner:
         if g is None:
             log.info("capturing CUDA graph for batch %d x width %d (layers %s)", bk, width, num_layers or "all")
             g = self.graphs[key] = _Graph(self.model, self.kv, bk, width, self.pool, num_layers,
-                                          self._logits(bk, width) if width <= self.max_width else None)
+                                          self._logits(bk, width) if width <= self.max_width else None, self.aux)
         g.copied.synchronize()
         host = g.host.numpy()
         n = bk * width

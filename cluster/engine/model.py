@@ -231,14 +231,25 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(shape.hidden, shape.eps)
         self.rotary = Rotary(hf_config, shape.max_positions)
         self.backend = None  # set by the runner: attention.make_backend(...)
+        # Layers whose input (the residual stream there) an EAGLE-3 drafter reads, in its
+        # order (vLLM's convention: id i is the input of layer i); set before graphs are captured.
+        self.aux_layers: tuple[int, ...] = ()
 
-    def forward(self, input_ids, positions, kv, ctx: AttnContext, num_layers: int | None = None):
+    def forward(self, input_ids, positions, kv, ctx: AttnContext, num_layers: int | None = None,
+                aux: list | None = None):
+        """Final-normed hidden states; with `aux`, appends [B, T, len(aux_layers) * D], the
+        aux layers' inputs side by side (what an EAGLE-3 head's fc reads)."""
         h = self.embed_tokens(input_ids)
         rot = self.rotary(positions)
+        taken = {}
         for i, layer in enumerate(self.layers[:num_layers]):
+            if aux is not None and i in self.aux_layers:
+                taken[i] = h
             scale = kv.scales[i] if kv.scales is not None else None
             h = layer.self_attn(h, layer.input_layernorm, rot, self.backend, kv.k[i], kv.v[i], ctx, scale)
             h = layer.mlp(h, layer.post_attention_layernorm)
+        if aux is not None and self.aux_layers:
+            aux.append(torch.cat([taken[i] for i in self.aux_layers], dim=-1))
         return self.norm(h)
 
     def logits(self, h: torch.Tensor, fp32: bool = True) -> torch.Tensor:

@@ -82,14 +82,17 @@ class ParallelRunner(Runner):
             group.broadcast_header(torch.tensor([kv.scratch_block, kv.block_size, kv.max_rows, kv.max_tokens]))
 
     @torch.inference_mode()
-    def forward(self, rows, cache_lens, tokens, last_only, num_layers=None, trees=None, hidden=False):
+    def forward(self, rows, cache_lens, tokens, last_only, num_layers=None, trees=None, hidden=False, aux=False):
+        """As Runner.forward; `aux`: a third result, None (the ranks capture no aux hidden
+        states yet: an EAGLE-3 head is refused under tensor parallelism at build)."""
         if trees is not None and any(t is not None for t in trees):
             raise NotImplementedError("draft trees are not verified under tensor parallelism yet")
         meta, payload = encode(self.kv.take_updates(), rows, cache_lens, tokens, last_only, num_layers)
         with self._failures():
             self.group.broadcast_header(meta)
             self.group.broadcast_header(payload)
-            return run_step(self, meta.tolist(), payload, hidden)
+            out = run_step(self, meta.tolist(), payload, hidden or aux)
+        return (*out, None) if aux else out
 
     @torch.inference_mode()
     def decode(self, rows, cache_lens, tokens: torch.Tensor) -> torch.Tensor:

@@ -34,25 +34,28 @@ class Runner:
     @torch.inference_mode()
     def forward(self, rows: list[int], cache_lens: list[int], tokens: list[list[int]],
                 last_only: bool, num_layers: int | None = None, trees: list[list[int] | None] | None = None,
-                hidden: bool = False):
+                hidden: bool = False, aux: bool = False):
         """Append `tokens[b]` to the sequence in table row `rows[b]` (after `cache_lens[b]`
         cached tokens; its blocks must hold them).
 
         Returns fp32 logits: [B, V] for each row's last token, or [B, T, V] for every
         (padded) position when `last_only` is False; with `hidden`, (logits, hidden states)
-        at the same positions. `trees[b]`, where not None, makes row b a draft tree
-        ([root] + nodes, see cluster.engine.tree) instead of a chain.
+        at the same positions; with `aux` as well, (logits, hidden, aux hidden states
+        [B, T, A] at every (padded) position whatever `last_only`, None without
+        model.aux_layers): the inputs of those layers side by side (an EAGLE-3 drafter's). `trees[b]`,
+        where not None, makes row b a draft tree ([root] + nodes, see cluster.engine.tree)
+        instead of a chain.
         """
         q_lens = [len(t) for t in tokens]
         tree = trees is not None and any(t is not None for t in trees)
         self.kv.sync()
         if self.graphs is not None and not tree and self.graphs.eligible(len(tokens), max(q_lens), last_only):
-            logits, h = self.graphs.forward(rows, cache_lens, tokens, num_layers)
+            logits, h, a = self.graphs.forward(rows, cache_lens, tokens, num_layers)
             if last_only:
                 last = torch.arange(len(tokens), device=self.device), device_ints(q_lens, self.device) - 1
                 h = h[last]
                 logits = self.model.logits(h) if logits is None else logits[last]  # None: a prefill graph
-            return (logits, h) if hidden else logits
+            return (logits, h, a) if aux else (logits, h) if hidden else logits
         ctx = AttnContext.build(self.kv, rows, cache_lens, q_lens, self.device)
         ctx.splits = self._splits(len(rows), ctx.width, ctx.max_kv)
         if tree:  # rotary positions by depth; the keys are still written at flat positions
@@ -62,15 +65,19 @@ class Runner:
         ids = torch.zeros((len(tokens), ctx.width), dtype=torch.int64)
         for b, t in enumerate(tokens):
             ids[b, : len(t)] = torch.tensor(t)
-        return self.run(ids.to(self.device), ctx, last_only, num_layers, hidden)
+        return self.run(ids.to(self.device), ctx, last_only, num_layers, hidden, aux)
 
-    def run(self, ids: torch.Tensor, ctx: AttnContext, last_only: bool, num_layers: int | None, hidden: bool):
+    def run(self, ids: torch.Tensor, ctx: AttnContext, last_only: bool, num_layers: int | None, hidden: bool,
+            aux: bool = False):
         """The eager pass over token ids [B, T] on the device, as `forward` returns it (the
         part tensor-parallel ranks share, cluster.engine.ranks)."""
-        h = self.model(ids, ctx.positions, self.kv, ctx, num_layers)
+        taken: list = []
+        h = self.model(ids, ctx.positions, self.kv, ctx, num_layers, aux=taken if aux else None)
+        a = taken[0] if taken else None
         if last_only:
             h = h[torch.arange(ids.shape[0], device=self.device), ctx.q_lens - 1]
-        return (self.model.logits(h), h) if hidden else self.model.logits(h)
+        logits = self.model.logits(h)
+        return (logits, h, a) if aux else (logits, h) if hidden else logits
 
     def _splits(self, batch: int, width: int, max_kv: int) -> int:
         """Key splits per row for the paged triton kernel (flash-decoding); 1 for prefill."""

@@ -95,6 +95,9 @@ class Sequence:
     hidden: tuple[int, torch.Tensor] | None = None
     # one per output token while params.logprobs is set (a preemption recomputes KV, never these)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # (first position, [n, A]): the target's aux hidden states not yet sent to an EAGLE-3
+    # drafter (cluster.engine.aux_hidden); kept only while this sequence's drafter reads them
+    aux: tuple[int, torch.Tensor] | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)

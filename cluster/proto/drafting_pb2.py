@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspeccluster/v1/drafting.proto\x12\x0especcluster.v1\"\x96\x01\n\x08\x44raftRow\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\t\n\x01k\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12\r\n\x05start\x18\x08 \x01(\x05\x42\x07\n\x05_seed\"Y\n\x0eProposeRequest\x12&\n\x04rows\x18\x01 \x03(\x0b\x32\x18.speccluster.v1.DraftRow\x12\x0f\n\x07release\x18\x02 \x03(\t\x12\x0e\n\x06\x63\x61ller\x18\x03 \x01(\t\"X\n\x07\x44rafted\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\r\n\x05width\x18\x02 \x01(\x05\x12\r\n\x05q_ids\x18\x03 \x01(\x0c\x12\x0f\n\x07q_probs\x18\x04 \x01(\x0c\x12\x0e\n\x06resync\x18\x05 \x01(\x08\"F\n\x0cProposeReply\x12%\n\x04rows\x18\x01 \x03(\x0b\x32\x17.speccluster.v1.Drafted\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dspeccluster/v1/drafting.proto\x12\x0especcluster.v1\"\xdb\x01\n\x08\x44raftRow\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\t\n\x01k\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x00\x88\x01\x01\x12\r\n\x05start\x18\x08 \x01(\x05\x12\x0b\n\x03\x61ux\x18\t \x01(\x0c\x12\x11\n\taux_start\x18\n \x01(\x05\x12\x10\n\x08\x61ux_rows\x18\x0b \x01(\x05\x12\x11\n\taux_dtype\x18\x0c \x01(\tB\x07\n\x05_seed\"j\n\x0eProposeRequest\x12&\n\x04rows\x18\x01 \x03(\x0b\x32\x18.speccluster.v1.DraftRow\x12\x0f\n\x07release\x18\x02 \x03(\t\x12\x0e\n\x06\x63\x61ller\x18\x03 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x04 \x01(\t\"X\n\x07\x44rafted\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\r\n\x05width\x18\x02 \x01(\x05\x12\r\n\x05q_ids\x18\x03 \x01(\x0c\x12\x0f\n\x07q_probs\x18\x04 \x01(\x0c\x12\x0e\n\x06resync\x18\x05 \x01(\x08\"F\n\x0cProposeReply\x12%\n\x04rows\x18\x01 \x03(\x0b\x32\x17.speccluster.v1.Drafted\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cluster.proto.drafting_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTROW']._serialized_start=50
-  _globals['_DRAFTROW']._serialized_end=200
-  _globals['_PROPOSEREQUEST']._serialized_start=202
-  _globals['_PROPOSEREQUEST']._serialized_end=291
-  _globals['_DRAFTED']._serialized_start=293
-  _globals['_DRAFTED']._serialized_end=381
-  _globals['_PROPOSEREPLY']._serialized_start=383
-  _globals['_PROPOSEREPLY']._serialized_end=453
+  _globals['_DRAFTROW']._serialized_end=269
+  _globals['_PROPOSEREQUEST']._serialized_start=271
+  _globals['_PROPOSEREQUEST']._serialized_end=377
+  _globals['_DRAFTED']._serialized_start=379
+  _globals['_DRAFTED']._serialized_end=467
+  _globals['_PROPOSEREPLY']._serialized_start=469
+  _globals['_PROPOSEREPLY']._serialized_end=539
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftRow(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "k", "temperature", "top_p", "top_k", "seed", "start")
+    __slots__ = ("seq_id", "token_ids", "k", "temperature", "top_p", "top_k", "seed", "start", "aux", "aux_start", "aux_rows", "aux_dtype")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,10 @@ class DraftRow(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
+    AUX_FIELD_NUMBER: _ClassVar[int]
+    AUX_START_FIELD_NUMBER: _ClassVar[int]
+    AUX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    AUX_DTYPE_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     k: int
@@ -26,17 +30,23 @@ class DraftRow(_message.Message):
     top_k: int
     seed: int
     start: int
-    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., start: _Optional[int] = ...) -> None: ...
+    aux: bytes
+    aux_start: int
+    aux_rows: int
+    aux_dtype: str
+    def __init__(self, seq_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., start: _Optional[int] = ..., aux: _Optional[bytes] = ..., aux_start: _Optional[int] = ..., aux_rows: _Optional[int] = ..., aux_dtype: _Optional[str] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("rows", "release", "caller")
+    __slots__ = ("rows", "release", "caller", "drafter")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     CALLER_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
     rows: _containers.RepeatedCompositeFieldContainer[DraftRow]
     release: _containers.RepeatedScalarFieldContainer[str]
     caller: str
-    def __init__(self, rows: _Optional[_Iterable[_Union[DraftRow, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., caller: _Optional[str] = ...) -> None: ...
+    drafter: str
+    def __init__(self, rows: _Optional[_Iterable[_Union[DraftRow, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ..., caller: _Optional[str] = ..., drafter: _Optional[str] = ...) -> None: ...
 
 class Drafted(_message.Message):
     __slots__ = ("tokens", "width", "q_ids", "q_probs", "resync")

@@ -60,7 +60,9 @@ def build_app(cfg: ClusterConfig) -> Application:
     data = cfg.model_dump()
     board = StatsBoard.bind()
     drafter = None
-    if cfg.placement == "disaggregated" and cfg.models.draft:
+    from cluster.serve.build import remote_drafters
+
+    if cfg.placement == "disaggregated" and remote_drafters(cfg):
         drafter = DrafterDeployment.options(**_options(cfg.drafter, scaling["drafter"])).bind(data)
     verifier = Verifier.options(**_options(cfg.verifier, scaling["verifier"]),
                                 request_router_config=request_router_config(cfg)).bind(data, drafter, board)

@@ -2,14 +2,19 @@
 
 Every drafter the registry (cluster.engine.drafters.registry) names is built here when the
 config makes it possible: n-gram and early exit always, the draft model when models.draft is
-set (in this process, or `remote_drafter` in its own replicas), Medusa when heads lie beside
-the target.
+set and EAGLE-3 when a head is configured or lies beside the target (in this process, or
+`remote` ones in their own replicas), Medusa when heads lie beside the target.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from cluster.config import ClusterConfig, resolve_model_path
 from cluster.engine.drafters.base import Drafter
+from cluster.engine.drafters.eagle3 import Eagle3Drafter
+from cluster.engine.drafters.eagle3_load import CONFIG as EAGLE3_CONFIG
+from cluster.engine.drafters.eagle3_load import head_config, load_head, target_embedding
 from cluster.engine.drafters.early_exit import EarlyExitDrafter
 from cluster.engine.drafters.medusa import HEADS_FILE, MedusaDrafter, has_heads
 from cluster.engine.drafters.model import ModelDrafter
@@ -17,13 +22,62 @@ from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.drafters.registry import DRAFTERS
 from cluster.engine.engine import DTYPES, Engine
 from cluster.engine.loader import load_model, load_tokenizer
-from cluster.engine.model import compile_kernels
+from cluster.engine.model import CausalLM, compile_kernels
 from cluster.engine.ranks import start_ranks
 
 
 # Longest sequence (prompt + output + drafts) the draft model drafts for; longer rows decode
 # without its drafts. See build_model_drafter.
 DRAFT_MAX_LEN = 2048
+EAGLE3_DIR = "eagle3"  # a head trained here lies beside its target, in this subdirectory
+
+
+def eagle3_dir(cfg: ClusterConfig) -> str | None:
+    """The EAGLE-3 head to use: models.eagle3, else `<target>/eagle3` where it exists."""
+    if cfg.models.eagle3:
+        return resolve_model_path(cfg.models.eagle3)
+    beside = Path(resolve_model_path(cfg.models.target)) / EAGLE3_DIR
+    return str(beside) if (beside / EAGLE3_CONFIG).is_file() else None
+
+
+def remote_drafters(cfg: ClusterConfig) -> list[str]:
+    """The drafters a Drafter replica hosts under this config (disaggregated placement)."""
+    return (["model"] if cfg.models.draft else []) + (["eagle3"] if eagle3_dir(cfg) else [])
+
+
+def build_eagle3_drafter(cfg: ClusterConfig, target: CausalLM | None = None) -> Eagle3Drafter:
+    """The EAGLE-3 head over `target` (sharing its embedding), or, in a drafter replica
+    (target None), with the target's embedding read from its files."""
+    from cluster.engine.loader import load_model
+
+    ec = cfg.engine_config()
+    path, target_dir = eagle3_dir(cfg), resolve_model_path(cfg.models.target)
+    if path is None:
+        raise ValueError(f"drafter 'eagle3' needs models.eagle3 or a head in {target_dir}/{EAGLE3_DIR} "
+                         "(spec-cluster models train-eagle3)")
+    dtype = DTYPES[ec.dtype]
+    if target is None and (Path(target_dir) / "embed.json").is_file():  # an embedded demo: build it
+        target = load_model(target_dir, dtype, "cpu")
+    if target is not None:
+        layers, vocab, embed = target.shape.layers, target.shape.vocab_size, target.embed_tokens.weight
+    else:
+        from transformers import AutoConfig
+
+        tc = AutoConfig.from_pretrained(target_dir)
+        layers, vocab, embed = tc.num_hidden_layers, tc.vocab_size, target_embedding(target_dir, dtype)
+    # positions: the draft model's cap (DRAFT_MAX_LEN) plus a verify row's drafts
+    max_len = min(ec.max_model_len, DRAFT_MAX_LEN) + ec.gamma_max + 1
+    head = load_head(path, layers, dtype, ec.device, embed.to(ec.device), vocab, max_positions=max_len + 1)
+    cuda = next(head.parameters()).is_cuda
+    if cuda and ec.compile:
+        compile_kernels()
+    return Eagle3Drafter(head, num_slots=2 * ec.max_num_seqs, max_len=max_len, attention=ec.attention,
+                         cuda_graphs=ec.cuda_graphs)
+
+
+def eagle3_aux_layers(cfg: ClusterConfig, target_layers: int) -> tuple[int, ...]:
+    """Which target layers a remote EAGLE-3 head reads (its config only, no weights)."""
+    return head_config(eagle3_dir(cfg), target_layers)[0].aux_layers
 
 
 def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
@@ -51,23 +105,34 @@ def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
     return drafter
 
 
-def build_engine(cfg: ClusterConfig, remote_drafter: Drafter | None = None) -> Engine:
-    """The target engine and every drafter the config allows (see the module docstring)."""
+def build_engine(cfg: ClusterConfig, remote: Drafter | dict[str, Drafter] | None = None) -> Engine:
+    """The target engine and every drafter the config allows (see the module docstring);
+    `remote`: drafters in Drafter replicas (by name), built here for the others."""
     from cluster.policy.controller import make_controller
 
     ec = cfg.engine_config()
+    remote = {remote.name: remote} if isinstance(remote, Drafter) else dict(remote or {})
     target = resolve_model_path(cfg.models.target)
     # tensor-parallel: this process is rank 0 and starts the others (cluster.engine.ranks)
     group = start_ranks(str(target), ec) if ec.tensor_parallel_size > 1 else None
     model = load_model(target, DTYPES[ec.dtype], ec.device if group is None else group.device, group)
     drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
     if cfg.models.draft:
-        drafters["model"] = remote_drafter or build_model_drafter(cfg)
+        drafters["model"] = remote.get("model") or build_model_drafter(cfg)
+    if eagle3_dir(cfg) and ec.tensor_parallel_size == 1:  # ranks capture no aux states yet
+        if "eagle3" in remote:  # its aux layers decide what the target's passes capture
+            remote["eagle3"].aux_layers = eagle3_aux_layers(cfg, model.shape.layers)
+        drafters["eagle3"] = remote.get("eagle3") or build_eagle3_drafter(cfg, model)
     default = None if cfg.models.drafter == "none" else cfg.models.drafter
     if default == "medusa" and not has_heads(target):
         raise ValueError(f"drafter 'medusa' needs {HEADS_FILE} in {target} (spec-cluster models train-medusa)")
     if default == "medusa" and ec.tensor_parallel_size > 1:
         raise ValueError("drafter 'medusa' is not supported with tensor_parallel_size > 1 yet")
+    if default == "eagle3" and ec.tensor_parallel_size > 1:
+        raise ValueError("drafter 'eagle3' is not supported with tensor_parallel_size > 1 yet")
+    if default == "eagle3" and "eagle3" not in drafters:
+        raise ValueError(f"drafter 'eagle3' needs models.eagle3 or a head in {target}/{EAGLE3_DIR} "
+                         "(spec-cluster models train-eagle3)")
     engine = Engine(model, load_tokenizer(target), ec, drafters, default, identity=cfg.models.target)
     # these two read the target's own state (hidden states, KV), so they live in its process
     engine.drafters["early-exit"] = EarlyExitDrafter(engine.runner, cfg.models.early_exit_layers

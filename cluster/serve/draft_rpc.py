@@ -22,6 +22,7 @@ import threading
 import time
 
 import numpy as np
+import torch
 import zmq
 
 from cluster.engine.drafters.base import DraftOutput, DraftRequest
@@ -31,8 +32,11 @@ from cluster.proto import drafting_pb2 as pb
 OK, ERR = b"ok", b"err"
 
 
+AUX_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def encode_request(requests: list[DraftRequest], starts: list[int], release: list[str],
-                   caller: str) -> pb.ProposeRequest:
+                   caller: str, drafter: str = "") -> pb.ProposeRequest:
     """`starts[i]`: tokens of request i the drafter already holds, which are not sent again."""
     rows = []
     for r, start in zip(requests, starts):
@@ -41,16 +45,26 @@ def encode_request(requests: list[DraftRequest], starts: list[int], release: lis
                           top_p=p.top_p, top_k=p.top_k, start=start)
         if p.seed is not None:
             row.seed = p.seed
+        if r.aux is not None:  # raw bytes in the target's dtype (bf16 on a GPU: 2 bytes a value)
+            a = r.aux.detach().contiguous().cpu()
+            row.aux, row.aux_start, row.aux_rows = a.view(torch.uint8).numpy().tobytes(), r.aux_start, len(a)
+            row.aux_dtype = str(a.dtype).removeprefix("torch.")
         rows.append(row)
-    return pb.ProposeRequest(rows=rows, release=release, caller=caller)
+    return pb.ProposeRequest(rows=rows, release=release, caller=caller, drafter=drafter)
 
 
 def decode_request(msg: pb.ProposeRequest) -> tuple[list[DraftRequest], list[int], list[str], str]:
-    """Requests whose token_ids are the rows' tokens from their start on, and the starts."""
-    reqs = [DraftRequest(r.seq_id, list(r.token_ids), r.k,
-                         SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                                        seed=r.seed if r.HasField("seed") else None))
-            for r in msg.rows]
+    """Requests whose token_ids are the rows' tokens from their start on, and the starts
+    (the drafter named is `msg.drafter`)."""
+    reqs = []
+    for r in msg.rows:
+        req = DraftRequest(r.seq_id, list(r.token_ids), r.k,
+                           SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                          seed=r.seed if r.HasField("seed") else None))
+        if r.aux_rows:
+            raw = torch.frombuffer(bytearray(r.aux), dtype=torch.uint8)
+            req.aux, req.aux_start = raw.view(AUX_DTYPES[r.aux_dtype]).view(r.aux_rows, -1), r.aux_start
+        reqs.append(req)
     return reqs, [r.start for r in msg.rows], list(msg.release), msg.caller
 
 
@@ -110,7 +124,8 @@ class DraftServer:
     def _answer(self, body: bytes) -> list[bytes]:
         try:
             msg = pb.ProposeRequest.FromString(body)
-            return [OK, encode_output(*self.propose(*decode_request(msg))).SerializeToString()]
+            named = {"drafter": msg.drafter} if msg.drafter else {}  # "": the draft model
+            return [OK, encode_output(*self.propose(*decode_request(msg), **named)).SerializeToString()]
         except Exception as e:  # the verifier decodes without drafts this step
             return [ERR, f"drafter failed: {type(e).__name__}: {e}".encode()]
 
@@ -136,11 +151,13 @@ class DraftingClient:
         self.socket.connect(address)
         self.ids = itertools.count()
         self.waiting: dict[bytes, _Call] = {}
+        self.sent_bytes = 0  # request bytes sent so far (what a step ships, aux states included)
 
     def propose(self, requests: list[DraftRequest], starts: list[int], release: list[str], caller: str,
-                timeout_s: float) -> "_Call":
+                timeout_s: float, drafter: str = "") -> "_Call":
         call = _Call(self, str(next(self.ids)).encode(), time.monotonic() + timeout_s)
-        body = encode_request(requests, starts, release, caller).SerializeToString()
+        body = encode_request(requests, starts, release, caller, drafter).SerializeToString()
+        self.sent_bytes += len(body)
         try:
             self.socket.send_multipart([call.id, body], zmq.NOBLOCK)
         except zmq.Again:  # the queue to an unreachable replica is full

@@ -1,6 +1,9 @@
 """The Drafter deployment and the verifier-side client that calls it.
 
-One `propose` call per verifier step carries every sequence of the batch. Finished
+One `propose` call per verifier step and drafter carries every sequence of the batch. A
+replica hosts every drafter the config can place apart (cluster.serve.build.remote_drafters:
+the draft model, EAGLE-3), and each call names one; an EAGLE-3 call carries the target's aux
+hidden states of the tokens accepted since the last one (cluster.serve.draft_rpc). Finished
 sequences ride along in the next call (or an idle flush) as `release`, so there is never a
 per-token or per-request hop. Any drafter replica can serve any call: the request carries
 the tokens, and a replica without state for a sequence rebuilds it.
@@ -32,11 +35,13 @@ class DrafterDeployment:
         import ray
 
         from cluster.config import ClusterConfig
-        from cluster.serve.build import build_model_drafter
+        from cluster.serve.build import build_eagle3_drafter, build_model_drafter, remote_drafters
         from cluster.serve.draft_rpc import DraftServer
 
         cfg = ClusterConfig.model_validate(config)
-        self.drafter = build_model_drafter(cfg)
+        builders = {"model": build_model_drafter, "eagle3": build_eagle3_drafter}
+        self.drafters = {name: builders[name](cfg) for name in remote_drafters(cfg)}
+        self.calls = dict.fromkeys(self.drafters, 0)  # draft calls served, by drafter
         self.lock = threading.RLock()  # propose_from holds it across propose
         self.server = DraftServer(self.propose_from, ray.util.get_node_ip_address())
         self.demand = DraftDemandMeter()
@@ -44,29 +49,36 @@ class DrafterDeployment:
         self.ttl_s = cfg.router.drafter_state_ttl_s
         self.last_used: dict[str, float] = {}
 
-    def propose(self, requests: list[DraftRequest], release: list[str], caller: str = "") -> DraftOutput:
+    @property
+    def drafter(self):
+        """The draft model's drafter (the one a call that names none means)."""
+        return self.drafters.get("model") or next(iter(self.drafters.values()))
+
+    def propose(self, requests: list[DraftRequest], release: list[str], caller: str = "",
+                drafter: str = "model") -> DraftOutput:
         self.demand.note_call(caller, sum(r.k for r in requests))
         with self.lock:
             self._forget(release)
             now = self._expire()
             self.last_used.update((r.seq_id, now) for r in requests)
-            return self.drafter.propose(requests)
+            self.calls[drafter] += 1
+            return self.drafters[drafter].propose(requests)
 
     def propose_from(self, requests: list[DraftRequest], starts: list[int], release: list[str],
-                     caller: str = "") -> tuple[DraftOutput, list[bool]]:
+                     caller: str = "", drafter: str = "model") -> tuple[DraftOutput, list[bool]]:
         """The direct call: each request's token_ids continue the `start` tokens this replica
         holds for it. A row whose start it lacks (evicted, or another replica drafted it) is
         answered `resync`, with no drafts; its verifier sends all its tokens next time."""
         with self.lock:
             resync = []
             for r, start in zip(requests, starts):
-                held = self.drafter.tokens_held(r.seq_id) if start else []
+                held = self.drafters[drafter].tokens_held(r.seq_id) if start else []
                 resync.append(held is None or len(held) < start)
-                if resync[-1]:
-                    r.k = 0
+                if resync[-1]:  # nothing of it is used: its tokens are a suffix of unknown place
+                    r.k, r.aux = 0, None
                 else:
                     r.token_ids = held[:start] + r.token_ids
-            return self.propose(requests, release, caller), resync
+            return self.propose(requests, release, caller, drafter), resync
 
     def check_health(self) -> None:
         """Serve's periodic probe: a replica whose draft-call server has stopped answers no
@@ -83,15 +95,17 @@ class DrafterDeployment:
             self.server.stop()
 
     def info(self) -> dict:
-        """Sequences with draft state here, and where this replica runs."""
+        """Sequences with draft state here, draft calls served by drafter, where this replica runs."""
         import ray
 
         with self.lock:
             self._expire()
-            return {"sequences": len(self.drafter.state), "node_id": ray.get_runtime_context().get_node_id()}
+            return {"sequences": sum(len(d.state) for d in self.drafters.values()), "calls": dict(self.calls),
+                    "node_id": ray.get_runtime_context().get_node_id()}
 
     def _forget(self, seq_ids: list[str]) -> None:
-        self.drafter.release(seq_ids)
+        for d in self.drafters.values():
+            d.release(seq_ids)
         for s in seq_ids:
             self.last_used.pop(s, None)
 
@@ -143,8 +157,11 @@ class RemoteDrafter(Drafter):
     MIN_BACKOFF_S, MAX_BACKOFF_S = 0.5, 5.0
     REFRESH_S = 30.0  # look the replica up again: callers spread onto replicas added since
 
-    def __init__(self, handle, timeout_s: float, caller: str, transport: str = "direct"):
+    def __init__(self, handle, timeout_s: float, caller: str, transport: str = "direct", name: str = "model"):
         self.handle, self.timeout_s, self.caller = handle, timeout_s, caller
+        self.name = name  # the replica's drafter each call names
+        if name == "eagle3":  # its requests carry the target's states of verified tokens only
+            self.look_ahead = None
         self.direct = transport == "direct"
         self.client = None  # DraftingClient to one replica (direct transport)
         self.refresh_at = 0.0
@@ -169,10 +186,11 @@ class RemoteDrafter(Drafter):
 
     def _send(self, requests: list[DraftRequest], release: list[str]):
         if not self.direct:
-            return self.handle.propose.remote(requests, release, self.caller)
+            return self.handle.propose.remote(requests, release, self.caller, self.name)
         client = self._client()
         starts = [min(self.held.get(r.seq_id, 0), len(r.token_ids)) for r in requests]
-        call = self.last_call = client.propose(requests, starts, release, self.caller, self.timeout_s)
+        call = self.last_call = client.propose(requests, starts, release, self.caller, self.timeout_s,
+                                               "" if self.name == "model" else self.name)
         # Counted as held once sent: the next call for a sequence goes out only after this
         # one's reply (or its failure, or a resync, which forget it again).
         for r in requests:

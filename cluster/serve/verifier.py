@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 class Verifier:
     def __init__(self, config: dict, drafter=None, board=None):
         from cluster.config import ClusterConfig
-        from cluster.serve.build import build_engine
+        from cluster.serve.build import build_engine, remote_drafters
         from cluster.serve.drafter import RemoteDrafter
         from cluster.serve.loop import EngineLoop
 
@@ -37,23 +37,30 @@ class Verifier:
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id if ctx else "local"
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.remote = (RemoteDrafter(drafter, cfg.router.drafter_timeout_s, self.replica_id, cfg.router.drafter_transport)
-                       if drafter else None)
-        if self.remote and not cfg.engine.draft_look_ahead:
-            self.remote.look_ahead = None
-        self.engine = build_engine(cfg, self.remote)
+        # one client per drafter the Drafter replicas host, each call naming its drafter
+        self.remotes = {name: RemoteDrafter(drafter, cfg.router.drafter_timeout_s, self.replica_id,
+                                            cfg.router.drafter_transport, name)
+                        for name in (remote_drafters(cfg) if drafter else [])}
+        for r in self.remotes.values():
+            if not cfg.engine.draft_look_ahead:
+                r.look_ahead = None
+        self.engine = build_engine(cfg, self.remotes)
         self.cfg = cfg
         # Three readers (autoscaling, routing stats, GetStats), each with its own window.
         self.load = VerifyLoadMeter(readers=("autoscaling", "routing", "stats"))
         self.metrics = VerifierMetrics(self.replica_id, cfg.models.target)
         self.figures = VerifierFigures()  # the same figures for GetStats
         self.engine.on_verify = self._observe
-        self.loop = EngineLoop(self.engine, on_idle=self.remote.flush if self.remote else None)
+        self.loop = EngineLoop(self.engine, on_idle=self._flush if self.remotes else None)
         self.publisher = self._make_publisher(cfg)
         self.board = board
         if board is not None:
             threading.Thread(target=self._report, name="stats-report", daemon=True).start()
         log.info("verifier %s ready: backend=%s placement=%s", self.replica_id, self.engine.backend, cfg.placement)
+
+    def _flush(self) -> None:
+        for r in self.remotes.values():
+            r.flush()
 
     def _make_publisher(self, cfg):
         """Publish this replica's prefix blocks to the KV directory the router reads."""

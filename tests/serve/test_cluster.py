@@ -79,6 +79,32 @@ def test_unary_and_stream_equal_local_engine(app, reference):
         assert all(not c.final for c in chunks[:-1])
 
 
+def test_eagle3_per_request_equals_local_engine(app, reference):
+    """drafter=eagle3 over gRPC: the head beside the demo target, in the Drafter replica
+    (disaggregated: the verifier ships the aux hidden states of new tokens over ZeroMQ) or
+    in the verifier's process (colocated); greedy output is the reference token for token."""
+    from cluster.serve.build import eagle3_dir
+
+    placement, name, client = app
+    if eagle3_dir(parse_config(_config(1, placement, name))) is None:
+        pytest.skip("no EAGLE-3 head beside the demo target")
+    accepted = 0
+    for prompt, expect in zip(PROMPTS, reference):
+        r = client.generate(prompt, max_tokens=MAX_TOKENS, speculation=4, drafter="eagle3")
+        assert list(r.token_ids) == expect
+        accepted += r.spec.accepted
+        ids = [t for c in client.generate_stream(prompt, max_tokens=MAX_TOKENS, speculation="auto",
+                                                 drafter="eagle3") for t in c.token_ids]
+        assert ids == expect
+    assert accepted > 0
+    assert _verifier_stats(name)["draft_failures"] == 0
+    if placement == "disaggregated":  # the head ran in the Drafter replica
+        from ray import serve
+
+        info = serve.get_deployment_handle("Drafter", name).info.remote().result()
+        assert info["calls"]["eagle3"] > 0
+
+
 def test_sixteen_concurrent_streams_complete_and_correct(app, reference):
     _, _, client = app
 

@@ -35,7 +35,7 @@ class FakeHandle:
         self.up, self.calls = False, []
         self.propose = SimpleNamespace(remote=self._propose)
 
-    def _propose(self, requests, release, caller):
+    def _propose(self, requests, release, caller, drafter="model"):
         r = FakeResponse(self.up)
         self.calls.append((list(release), r))
         return r
@@ -246,5 +246,64 @@ def test_direct_calls_send_only_new_tokens_and_resync_after_eviction(demo_pair):
             remote.flush()  # what the verifier's loop does when idle: the release reaches the replica
             time.sleep(0.05)
         assert not replica.drafter.state and not remote.pending_release
+    finally:
+        server.stop()
+
+
+def test_eagle3_in_its_own_replica_ships_new_aux_states_only(demo_pair):
+    """EAGLE-3 in the Drafter replica behind a real ZeroMQ server: greedy output equals
+    speculation off; each call after a sequence's first carries the aux hidden states of that
+    step's accepted tokens only (the bytes per step below), and drafts are accepted."""
+    import torch
+
+    from cluster.config import parse_config
+    from cluster.engine.sequence import SpecParams
+    from cluster.serve.build import build_engine, eagle3_dir
+    from cluster.serve.draft_rpc import DraftServer, encode_request
+    from cluster.serve.drafter import DrafterDeployment
+
+    cfg = parse_config({"models": {"device": "cpu"}, "placement": "disaggregated", "kvdir": {"url": None}})
+    if eagle3_dir(cfg) is None:
+        pytest.skip("no EAGLE-3 head beside the demo target (spec-cluster models train-eagle3)")
+    torch.manual_seed(0)
+    replica = DrafterDeployment.func_or_class(cfg.model_dump())
+    assert set(replica.drafters) == {"model", "eagle3"}
+    replica.server.stop()
+    seen = []
+
+    def counting(requests, starts, release, caller, drafter="model"):
+        seen.append([(drafter, s, 0 if r.aux is None else len(r.aux), r.aux_start, len(r.token_ids))
+                     for r, s in zip(requests, starts)])
+        return replica.propose_from(requests, starts, release, caller, drafter)
+
+    server = DraftServer(counting, "127.0.0.1")
+    try:
+        handle = EndpointHandle(SimpleNamespace(address=server.address))
+        remote = RemoteDrafter(handle, timeout_s=10.0, caller="v", name="eagle3")
+        engine = build_engine(cfg, {"eagle3": remote})
+        assert engine.model.aux_layers == replica.drafters["eagle3"].aux_layers and remote.look_ahead is None
+        prompts = ["def fibonacci(n):", "import os\nimport sys\n\ndef main("]
+        greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+        off = engine.generate(prompts, greedy, SpecParams("off"))
+        spec = engine.generate(prompts, greedy, SpecParams("fixed", 4), "eagle3")
+        assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in off]
+        assert sum(r["spec"]["accepted"] for r in spec) > 0
+        rows = [row for call in seen for row in call]
+        assert all(d == "eagle3" for d, *_ in rows)
+        first = {}
+        for _, start, n_aux, aux_start, n_tok in rows:
+            if start == 0:  # a sequence's first call: the prompt's states (minus the last token's)
+                assert n_aux == n_tok - 1 and aux_start == 0
+            else:  # later: only the positions accepted since, never the context again
+                assert 1 <= n_aux <= 4 + 1
+            first.setdefault(n_tok, start)
+        # bytes per verify step per sequence: aux states of the accepted tokens, fp32 here
+        A = engine.model.shape.hidden * len(engine.model.aux_layers)
+        later = [n_aux for _, start, n_aux, _, _ in rows if start > 0]
+        msg = encode_request([], [], [], "v", "eagle3")
+        assert msg.drafter == "eagle3"
+        per_token = A * 4
+        print(f"\neagle3 over ZeroMQ: {sum(later) / len(later):.2f} aux rows a call, {per_token} B a row "
+              f"(fp32, A={A}); {remote.client.sent_bytes} request bytes in {len(seen)} calls")
     finally:
         server.stop()

@@ -40,6 +40,11 @@ class DraftRequest:
     # Filled only for drafters that share the target's KV (Drafter.reads_target_kv): the
     # sequence's block-table row in the target's cache and the tokens cached there.
     target_kv: tuple[int, int] | None = None
+    # Filled only for drafters that read the target's aux hidden states (Drafter.aux_layers,
+    # EAGLE-3): those of positions aux_start .. aux_start + len - 1 ([len, A]), the ones the
+    # drafter has not been sent yet (a drafter missing earlier ones starts from aux_start).
+    aux: torch.Tensor | None = None
+    aux_start: int = 0
 
 
 @dataclass
@@ -67,6 +72,8 @@ class Drafter(abc.ABC):
     look_ahead: str | None = None
     reads_hidden = False     # requests carry the target's last hidden state (DraftRequest.hidden)
     reads_target_kv = False  # requests carry the target's KV location (DraftRequest.target_kv)
+    # target layers whose inputs requests carry for new positions (DraftRequest.aux); () none
+    aux_layers: tuple[int, ...] = ()
 
     @abc.abstractmethod
     def propose(self, requests: list[DraftRequest]) -> DraftOutput: ...

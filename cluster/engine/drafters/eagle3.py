@@ -1,0 +1,246 @@
+"""EAGLE-3 drafting: a one-layer head over the target's own features (cluster.engine.drafters.eagle3_head).
+
+Each request carries the target's aux hidden states of the positions the drafter has not seen
+(`DraftRequest.aux`): after a verify step, those of the accepted tokens. The head keeps its own
+one-layer KV per sequence for the positions the target has computed ([base, n)): a call first
+runs the head over the new positions (catch-up, fed fc(aux)), which gives its output at the
+position before the last token, and from there drafts, each step fed the draft token and the
+head's own output at the step before. Draft steps write K/V past n, where the next catch-up
+overwrites them with the target-fed ones: rejected drafts roll back for free, as the
+verifier's do. A sequence whose earlier features the drafter never got (a new replica, a lost
+call) starts its cache at the first position it has (`base`): rotary attention depends only
+on distances, so the head runs as on a shorter context; it drafts less well, never wrongly.
+
+Greedy rows propose their argmax chain (one-hot q). Sampled rows sample each draft from the
+head's own distribution (the request's temperature, top-k, top-p over the draft vocabulary,
+cut to its top-K) and return it as q, so rejection sampling stays exact and acceptance does
+not collapse at temperature > 0. Where the attention backend verifies trees, greedy rows may
+propose a tree instead (`tree_width` > 1, cluster.engine.drafters.eagle3_tree).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from cluster.engine.attention import AttnContext, make_backend
+from cluster.engine.drafters.base import TOPK, Drafter, DraftOutput, DraftRequest, draft_generator, empty_rows
+from cluster.engine.drafters.eagle3_head import Eagle3Head
+from cluster.engine.kv_cache import KVCache, KVHandle
+from cluster.engine.sampling import target_probs
+
+BLOCK = 16  # tokens per block of the head's cache
+
+
+@dataclass
+class _State:
+    handle: KVHandle
+    base: int                          # first position in the head's cache (slot 0)
+    n: int                             # positions base .. n-1 hold target-fed K/V
+    tokens: list[int]                  # the sequence's tokens t_0 .. t_n as last seen
+    out: torch.Tensor | None = None    # the head's output at position n-1 [D]
+
+
+class Eagle3Drafter(Drafter):
+    name = "eagle3"
+
+    def __init__(self, head: Eagle3Head, num_slots: int = 64, max_len: int = 2048, attention: str = "auto",
+                 tree_width: int = 0, cuda_graphs: bool = True):
+        """max_len: longest sequence (plus drafts) it drafts for; tree_width: children per node
+        of a greedy tree (0: chains only, also where the backend has no tree masks)."""
+        self.head = head
+        self.aux_layers = head.cfg.aux_layers
+        p = next(head.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        if head.backend is None:
+            head.backend = make_backend(attention, p.device, p.dtype)
+        s = head.shape
+        self.kv = KVCache(1, num_slots * -(-max_len // BLOCK), BLOCK, s.kv_heads, s.head_dim, p.dtype, p.device,
+                          max_rows=num_slots, max_tokens=max_len, prefix_caching=False)
+        self.max_len = self.kv.max_tokens
+        self.tree_width = tree_width if getattr(head.backend, "supports_tree", False) else 0
+        self.graphs = None
+        if cuda_graphs and p.device.type == "cuda" and head.backend.graphs:
+            from cluster.engine.drafters.eagle3_graphs import HeadGraphs
+
+            self.graphs = HeadGraphs(head, self.kv)
+        self.state: OrderedDict[str, _State] = OrderedDict()  # seq_id -> state, least recently used first
+        self.generators: dict[str, torch.Generator] = {}
+
+    def release(self, seq_ids: list[str]) -> None:
+        for sid in seq_ids:
+            self.generators.pop(sid, None)
+            st = self.state.pop(sid, None)
+            if st is not None:
+                self.kv.close(st.handle)
+
+    def tokens_held(self, seq_id: str) -> list[int] | None:
+        st = self.state.get(seq_id)
+        return st.tokens if st is not None else None
+
+    # ---- per-sequence state ----------------------------------------------------------------
+    def _state(self, r: DraftRequest, keep: set[str]) -> _State | None:
+        st = self.state.get(r.seq_id)
+        # not the sequence it held (a reused id)? the tail tells: a whole-list compare per row
+        # and step would cost O(context) in Python, and a wrong guess costs drafts, not tokens
+        n = len(st.tokens) if st is not None else 0
+        if st is not None and (len(r.token_ids) < n or r.token_ids[max(0, n - 8):n] != st.tokens[-8:]):
+            self.release([r.seq_id])
+            st = None
+        first = r.aux_start if r.aux is not None and len(r.aux) else None
+        if st is not None and first is not None and first > st.n:
+            self.kv.shrink(st.handle, 0)  # a gap in its features: start again from what it has
+            st.base = st.n = first
+            st.out = None
+        if st is None:
+            if first is None:
+                return None
+            h = self.kv.open()
+            while h is None and self._evict(keep):
+                h = self.kv.open()
+            if h is None:
+                return None
+            st = self.state[r.seq_id] = _State(h, first, first, [])
+        self.state.move_to_end(r.seq_id)
+        return st
+
+    def _evict(self, keep: set[str]) -> bool:
+        victim = next((s for s in self.state if s not in keep), None)
+        if victim is not None:
+            self.kv.close(self.state.pop(victim).handle)
+        return victim is not None
+
+    def _room(self, st: _State, positions: int, keep: set[str]) -> bool:
+        if positions > self.max_len:
+            return False
+        while self.kv.blocks_needed(st.handle, positions) > self.kv.pool.num_free:
+            if not self._evict(keep):
+                return False
+        self.kv.grow(st.handle, positions)
+        return True
+
+    # ---- drafting ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, requests: list[DraftRequest]) -> DraftOutput:
+        t0 = time.perf_counter()
+        keep = {r.seq_id for r in requests}
+        rows, states = [], []
+        for b, r in enumerate(requests):
+            st = self._state(r, keep) if r.k > 0 or r.aux is not None else None
+            if st is not None and r.seq_id in self.state:
+                rows.append(b)
+                states.append(st)
+        self._catch_up([requests[b] for b in rows], states)
+        live = [(b, st) for b, st in zip(rows, states)
+                if requests[b].k > 0 and st.out is not None and st.n == len(requests[b].token_ids) - 1
+                and self._room(st, st.n - st.base + requests[b].k, keep)]
+        tokens: list[list[int]] = [[] for _ in requests]
+        q_ids: list[list] = [[] for _ in requests]
+        q_probs: list[list] = [[] for _ in requests]
+        parents = None
+        if live:
+            reqs = [requests[b] for b, _ in live]
+            sts = [st for _, st in live]
+            if self.tree_width and all(r.params.greedy for r in reqs):
+                from cluster.engine.drafters.eagle3_tree import draft_tree
+
+                trees = draft_tree(self, reqs, sts, self.tree_width)
+                parents = [None] * len(requests)
+                for (b, _), (toks, par) in zip(live, trees):
+                    tokens[b], parents[b] = toks, par
+                    q_ids[b], q_probs[b] = [[t] for t in toks], [[1.0] for _ in toks]
+            else:
+                for (b, _), (toks, ids, ps) in zip(live, self._chain(reqs, sts)):
+                    tokens[b], q_ids[b], q_probs[b] = toks, ids, ps
+        return DraftOutput(tokens, *empty_rows(tokens, q_ids, q_probs), time.perf_counter() - t0, parents)
+
+    def _catch_up(self, reqs: list[DraftRequest], states: list[_State]) -> None:
+        """Run the head over each row's new target-fed positions (n .. end of its aux)."""
+        feed = []
+        for r, st in zip(reqs, states):
+            end = r.aux_start + len(r.aux) if r.aux is not None else st.n
+            new = range(st.n, min(end, len(r.token_ids) - 1))
+            ok = len(new) and self._room(st, new.stop - st.base, {x.seq_id for x in reqs})
+            feed.append(new if ok else range(0))
+        idx = [i for i, f in enumerate(feed) if len(f)]
+        if not idx:
+            return
+        width = max(len(feed[i]) for i in idx)
+        ids = torch.zeros((len(idx), width), dtype=torch.int64)
+        x = torch.zeros((len(idx), width, self.head.cfg.hidden), dtype=self.dtype, device=self.device)
+        for j, i in enumerate(idx):
+            r, f = reqs[i], feed[i]
+            ids[j, : len(f)] = torch.tensor(r.token_ids[f.start + 1: f.stop + 1])
+            aux = r.aux[f.start - r.aux_start: f.stop - r.aux_start].to(self.device)
+            x[j, : len(f)] = self.head.combine(aux).to(self.dtype)
+        sts = [states[i] for i in idx]
+        out = self._pass(sts, [st.n - st.base for st in sts], ids.to(self.device), x, [len(feed[i]) for i in idx])
+        for j, i in enumerate(idx):
+            st, f = states[i], feed[i]
+            st.out = out[j, len(f) - 1]
+            st.n = f.stop
+            st.tokens += reqs[i].token_ids[len(st.tokens): st.n + 1]  # token_ids[:n + 1], extended
+
+    def _pass(self, sts: list[_State], cache_lens: list[int], ids: torch.Tensor, x: torch.Tensor,
+              q_lens: list[int], tree: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> torch.Tensor:
+        """The head over rows of its cache: ids [B, T], x [B, T, D] -> outputs [B, T, D]."""
+        rows = [st.handle.row for st in sts]
+        self.kv.sync()
+        if tree is None and self.graphs is not None and ids.shape[1] == 1:
+            return self.graphs.step(rows, cache_lens, ids, x)
+        ctx = AttnContext.build(self.kv, rows, cache_lens, q_lens, self.device)
+        if tree is not None:  # tree nodes share positions by depth and see their ancestors only
+            ctx.tree_mask, ctx.positions = tree, ctx.cache_lens[:, None] + depth
+        return self.head(ids, x, ctx.positions, self.kv, ctx)
+
+    def _chain(self, reqs: list[DraftRequest], sts: list[_State]) -> list[tuple[list, list, list]]:
+        """Each row's chain of r.k drafts (target ids) with its proposals (support, probabilities)."""
+        head, k_max = self.head, max(r.k for r in reqs)
+        greedy = all(r.params.greedy for r in reqs)
+        gens = [None if r.params.greedy else
+                self.generators.get(r.seq_id) or self.generators.setdefault(r.seq_id, draft_generator(r.params.seed))
+                for r in reqs]
+        out = torch.stack([st.out for st in sts])
+        res: list[tuple[list, list, list]] = [([], [], []) for _ in reqs]
+        picks = []
+        for step in range(k_max):
+            logits = head.logits(out)                                   # [B, draft_vocab]
+            if greedy:  # argmax fed back on the device; one copy to the host at the end
+                tok = head.target_ids(logits.argmax(-1))
+                picks.append(tok)
+            else:
+                tok = self._sample(reqs, logits, gens, res, step)
+            if step + 1 == k_max:
+                break
+            out = self._pass(sts, [st.n - st.base + step for st in sts], tok[:, None], out[:, None], [1] * len(sts))[:, 0]
+        if greedy:
+            flat = torch.stack(picks, 1).tolist()
+            for b, r in enumerate(reqs):
+                toks = flat[b][: r.k]
+                res[b] = (toks, [[t] for t in toks], [[1.0] for _ in toks])
+        return [(t[: r.k], i[: r.k], p[: r.k]) for (t, i, p), r in zip(res, reqs)]
+
+    def _sample(self, reqs, logits, gens, res, step: int) -> torch.Tensor:
+        """Step `step`'s draft of each row: the argmax for greedy rows, else a draw from the
+        row's processed draft distribution cut to its top-K (q is exactly that cut)."""
+        probs = target_probs(logits, [r.params for r in reqs])
+        top_p, top_i = probs.topk(min(TOPK, probs.shape[-1]), dim=-1)
+        top_p = (top_p / top_p.sum(-1, keepdim=True)).cpu()
+        top_t = self.head.target_ids(top_i).cpu()
+        toks = []
+        for b, r in enumerate(reqs):
+            if r.params.greedy:
+                j, ids, ps = 0, [int(top_t[b, 0])], [1.0]
+            else:
+                j = int(torch.multinomial(top_p[b], 1, generator=gens[b]))
+                ids, ps = top_t[b].tolist(), top_p[b].tolist()
+            toks.append(int(top_t[b, j]))
+            if step < r.k:
+                t, i, p = res[b]
+                t.append(toks[-1])
+                i.append(ids + [ids[0]] * (top_t.shape[1] - len(ids)))  # rectangular rows
+                p.append(ps + [0.0] * (top_t.shape[1] - len(ps)))
+        return torch.tensor(toks, dtype=torch.int64, device=self.device)

@@ -1,0 +1,70 @@
+"""CUDA graphs for the EAGLE-3 head's one-token steps (GPU only).
+
+A draft step is one layer over one token a row: launches, not math, so each batch bucket's
+step is captured once and replayed with the rows' table indices, lengths, draft tokens and
+hidden inputs copied into its static buffers (as cluster.engine.graphs does for the model
+drafter's steps). Padding rows use the KV cache's scratch row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cluster.engine.attention import AttnContext
+from cluster.engine.graphs import bucket
+
+
+class _Step:
+    def __init__(self, head, kv, batch: int, pool):
+        from cluster.engine.paged_attention import num_splits
+
+        dev, s = kv.k.device, head.shape
+        self.host = torch.zeros((2 * batch,), dtype=torch.int64, pin_memory=True)
+        self.copied = torch.cuda.Event()  # the last copy out of `host` is done
+        self.inputs = torch.zeros((2 * batch,), dtype=torch.int64, device=dev)
+        self.rows, self.lens = self.inputs[:batch], self.inputs[batch:]
+        self.ids = torch.zeros((batch, 1), dtype=torch.int64, device=dev)
+        self.x = torch.zeros((batch, 1, head.cfg.hidden), dtype=kv.k.dtype, device=dev)
+        self.rows.fill_(kv.scratch_row)
+
+        def run():
+            pos = self.lens[:, None]
+            ctx = AttnContext(self.rows, self.lens, torch.ones_like(self.lens), pos, 1, kv.max_tokens,
+                              kv.slots(self.rows, pos).flatten(), None, kv.tables)
+            ctx.splits = num_splits(batch, s.kv_heads, -(-(s.heads // s.kv_heads) // 64), kv.max_tokens)
+            return head(self.ids, self.x, pos, kv, ctx)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()  # warm-up allocations outside the graph
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = run()
+
+
+class HeadGraphs:
+    def __init__(self, head, kv):
+        self.head, self.kv = head, kv
+        self.steps: dict[int, _Step] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    @torch.inference_mode()
+    def step(self, rows: list[int], cache_lens: list[int], ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """ids [B, 1] and x [B, 1, D] on the device -> the head's outputs [B, 1, D] (a copy)."""
+        b, bk = len(rows), bucket(len(rows))
+        g = self.steps.get(bk)
+        if g is None:
+            g = self.steps[bk] = _Step(self.head, self.kv, bk, self.pool)
+        g.copied.synchronize()
+        host = g.host.numpy()
+        host[:] = 0
+        host[:bk] = self.kv.scratch_row
+        host[:b], host[bk:bk + b] = rows, cache_lens
+        g.inputs.copy_(g.host, non_blocking=True)
+        g.copied.record()
+        g.ids[:b].copy_(ids)
+        g.x[:b].copy_(x)
+        g.graph.replay()
+        return g.out[:b].clone()
