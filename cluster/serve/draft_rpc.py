@@ -148,6 +148,14 @@ class DraftingClient:
         self.address = address
         self.socket = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.linger = 0  # close() drops what a dead replica never took
+        # A replica that dies closes its end: the monitor says so at once, and every call
+        # waiting on it fails then rather than at its timeout (a step waited the full
+        # drafter_timeout_s on a dead drafter before).
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.poller = zmq.Poller()
+        self.poller.register(self.socket, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self.lost = False
         self.socket.connect(address)
         self.ids = itertools.count()
         self.waiting: dict[bytes, _Call] = {}
@@ -155,6 +163,8 @@ class DraftingClient:
 
     def propose(self, requests: list[DraftRequest], starts: list[int], release: list[str], caller: str,
                 timeout_s: float, drafter: str = "") -> "_Call":
+        if self.lost:
+            raise DraftError(f"drafter {self.address} closed the connection")
         call = _Call(self, str(next(self.ids)).encode(), time.monotonic() + timeout_s)
         body = encode_request(requests, starts, release, caller, drafter).SerializeToString()
         self.sent_bytes += len(body)
@@ -168,13 +178,21 @@ class DraftingClient:
     def receive(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for one reply and hand it to its call; replies to calls
         given up on are dropped."""
-        if self.socket.poll(max(0, int(timeout_s * 1000))):
+        ready = dict(self.poller.poll(max(0, int(timeout_s * 1000))))
+        if self.monitor in ready:
+            from zmq.utils.monitor import recv_monitor_message
+
+            if recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                self.lost = True
+        if self.socket in ready:
             frames = self.socket.recv_multipart()
             call = self.waiting.pop(frames[0], None)
             if call is not None:
                 call.reply = frames[1:]
 
     def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(linger=0)
         self.socket.close()
         self.waiting.clear()
 
@@ -192,6 +210,9 @@ class _Call:
         deadline = self.deadline if timeout_s is None else min(self.deadline, time.monotonic() + timeout_s)
         while self.reply is None:
             left = deadline - time.monotonic()
+            if self.client.lost:
+                self.cancel()
+                raise DraftError(f"drafter {self.client.address} closed the connection")
             if left <= 0 or self.id not in self.client.waiting:
                 self.cancel()
                 raise DraftError(f"drafter {self.client.address} did not answer in time")
@@ -206,6 +227,7 @@ class _Call:
         self.client.waiting.pop(self.id, None)
 
     def done(self) -> bool:
-        while self.reply is None and self.id in self.client.waiting and self.client.socket.poll(0):
+        while (self.reply is None and self.id in self.client.waiting and not self.client.lost
+               and (self.client.socket.poll(0) or self.client.monitor.poll(0))):
             self.client.receive(0)
-        return self.reply is not None or self.id not in self.client.waiting
+        return self.reply is not None or self.id not in self.client.waiting or self.client.lost

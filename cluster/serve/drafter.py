@@ -61,6 +61,8 @@ class DrafterDeployment:
             self._forget(release)
             now = self._expire()
             self.last_used.update((r.seq_id, now) for r in requests)
+            if not requests:  # a release-only call (an idle flush) or a verifier's probe
+                return DraftOutput([], [], [])
             self.calls[drafter] += 1
             return self.drafters[drafter].propose(requests)
 
@@ -147,10 +149,12 @@ class RemoteDrafter(Drafter):
     """Drafter interface over a drafter replica; failures surface as exceptions the engine
     treats as 'no drafts this step'.
 
-    After a failure the drafter is skipped (empty drafts, no call) for a back-off that
-    doubles up to `MAX_BACKOFF_S`: a dead replica would otherwise cost every step the full
-    timeout until Serve replaces it. The first call after the back-off is the probe, and
-    with the direct transport it looks the replica up again first."""
+    A failure is noticed at once where the replica died (its socket closes: cluster.serve.
+    draft_rpc), else at the call's timeout. From then on the drafter is skipped (empty drafts,
+    no call, no wait) while a probe on a thread of its own, off the steps' path, looks the
+    replica up again and sends it an empty call, after a back-off that doubles up to
+    `MAX_BACKOFF_S`; when one answers, the next step drafts again (through the probe's
+    connection, with the direct transport)."""
 
     name = "model"
     look_ahead = "gated"  # the engine asks for the next step's drafts while this step verifies
@@ -170,9 +174,12 @@ class RemoteDrafter(Drafter):
         self.last_call = None
         self.pending_release: list[str] = []
         self.skip_until, self.backoff_s = 0.0, 0.0
+        self.down = False  # since a failure, until a probe reaches a replica
+        self.probe: threading.Thread | None = None
+        self.recovered = None  # set by a probe that got an answer: its client (direct) or True
 
     def propose_async(self, requests: list[DraftRequest]) -> Future:
-        if time.monotonic() < self.skip_until:
+        if self.down and not self._back():
             return _no_drafts(len(requests))
         release, self.pending_release = self.pending_release, []
         try:
@@ -230,7 +237,7 @@ class RemoteDrafter(Drafter):
         Not while a call is still running there (a look-ahead no step will read): run after
         it, the release frees what that call drafted."""
         busy = self.last_call is not None and not self.last_call.done()
-        if self.pending_release and time.monotonic() >= self.skip_until and not busy:
+        if self.pending_release and not self.down and not busy:
             release, self.pending_release = self.pending_release, []
             try:
                 self._send([], release)
@@ -248,9 +255,45 @@ class RemoteDrafter(Drafter):
             self.client = None
         self.held.clear()
         if not self.backoff_s:
-            log.warning("drafter unavailable; decoding without drafts, retrying with back-off")
+            log.warning("drafter unavailable; decoding without drafts, probing with back-off")
         self.backoff_s = min(self.MAX_BACKOFF_S, max(self.MIN_BACKOFF_S, 2 * self.backoff_s))
         self.skip_until = time.monotonic() + self.backoff_s
+        self.down = True
+
+    def _back(self) -> bool:
+        """Whether a probe has reached a replica (then drafting resumes through it); else
+        start one once the back-off has passed. Called on the engine thread only."""
+        got, self.recovered = self.recovered, None
+        if got is not None:
+            if got is not True:  # the probe's connection, now this thread's
+                self.client, self.refresh_at = got, time.monotonic() + self.REFRESH_S
+            self.down = False
+            return True
+        if time.monotonic() >= self.skip_until and (self.probe is None or not self.probe.is_alive()):
+            self.probe = threading.Thread(target=self._probe, name=f"drafter-probe-{self.name}", daemon=True)
+            self.probe.start()
+        return False
+
+    def _probe(self) -> None:
+        """One empty call to whichever replica the handle names now (on its own thread)."""
+        from cluster.serve.draft_rpc import DraftingClient
+
+        drafter = "" if self.name == "model" else self.name
+        client = None
+        try:
+            if self.direct:
+                client = DraftingClient(self.handle.endpoint.remote().result(timeout_s=self.timeout_s))
+                client.propose([], [], [], self.caller, self.timeout_s, drafter).result()
+                self.recovered = client
+            else:
+                self.handle.propose.remote([], [], self.caller, self.name).result(timeout_s=self.timeout_s)
+                self.recovered = True
+        except Exception as e:  # noqa: BLE001 - still down: the next probe after a longer back-off
+            if client is not None:
+                client.close()
+            self.backoff_s = min(self.MAX_BACKOFF_S, max(self.MIN_BACKOFF_S, 2 * self.backoff_s))
+            self.skip_until = time.monotonic() + self.backoff_s
+            log.info("drafter probe failed (%s); next in %.1f s", type(e).__name__, self.backoff_s)
 
     def _succeeded(self, requests: list[DraftRequest], resync: list[bool] | None) -> None:
         for r, again in zip(requests, resync or ()):

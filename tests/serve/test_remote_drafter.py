@@ -55,18 +55,21 @@ def test_backoff_then_probe_then_resume(monkeypatch):
     out = d.propose([draft_request(), draft_request()])
     assert out.tokens == [[], []] and len(handle.calls) == 1
 
-    # a second failure doubles the back-off (capped)
+    # after it, a probe (an empty call) on a thread of its own: the step does not wait for it
     monkeypatch.setattr(time, "monotonic", lambda t=time.monotonic(): t + 60)
-    with pytest.raises(TimeoutError):
-        d.propose([draft_request()])
-    assert d.backoff_s == 2 * RemoteDrafter.MIN_BACKOFF_S
+    assert d.propose([draft_request()]).tokens == [[]]
+    d.probe.join(5)
+    assert handle.calls[-1][0] == [] and len(handle.calls) == 2
+    assert d.down and d.backoff_s == 2 * RemoteDrafter.MIN_BACKOFF_S  # it failed: a longer back-off
 
-    # the drafter is back: the probe succeeds and speculation resumes
+    # the drafter is back: the next probe reaches it, and the step after drafts again
     monkeypatch.setattr(time, "monotonic", lambda t=time.monotonic(): t + 120)
     handle.up = True
+    assert d.propose([draft_request()]).tokens == [[]]
+    d.probe.join(5)
     assert d.propose([draft_request()]).tokens == [[1, 2]]
     assert handle.calls[-1][0] == ["a", "b"] and d.pending_release == []
-    assert d.backoff_s == 0 and d.propose([draft_request()]).tokens == [[1, 2]]
+    assert d.backoff_s == 0 and not d.down and d.propose([draft_request()]).tokens == [[1, 2]]
 
 
 class Replica:
@@ -142,10 +145,27 @@ def test_direct_transport_finds_the_replacement_replica(monkeypatch):
     handle.replica = second
     try:
         monkeypatch.setattr(time, "monotonic", lambda t=time.monotonic(): t + 60)
-        assert d.propose([draft_request()]).tokens == [[3]]  # the probe looked it up again
-        assert handle.lookups == 2 and d.backoff_s == 0 and len(second.calls) == 1
+        assert d.propose([draft_request()]).tokens == [[]]  # starts the probe, waits for nothing
+        d.probe.join(5)
+        assert d.propose([draft_request()]).tokens == [[3]]  # through the probe's connection
+        assert handle.lookups == 2 and d.backoff_s == 0 and len(second.calls) == 2  # the probe, the call
     finally:
         second.server.stop()
+
+
+def test_a_replica_that_dies_fails_its_call_at_once():
+    """Its socket closes: the waiting call fails then, not at the (5 s) timeout, and the
+    steps after it draft nothing without waiting."""
+    replica = Replica(draft_output())
+    d = RemoteDrafter(EndpointHandle(replica), timeout_s=5.0, caller="v")
+    assert d.propose([draft_request()]).tokens == [[1, 2]]
+    replica.server.stop()
+    t = time.monotonic()
+    with pytest.raises(Exception, match="closed the connection|did not answer"):
+        d.propose([draft_request()])
+    assert time.monotonic() - t < 1.0
+    t = time.monotonic()
+    assert d.propose([draft_request()]).tokens == [[]] and time.monotonic() - t < 0.1
 
 
 def test_a_late_reply_is_not_taken_for_the_next_call():
