@@ -128,16 +128,19 @@ def test_serve_config_v2_is_a_valid_serve_config(name):
 @pytest.mark.parametrize("name", ["base", "overlays/dev"])
 def test_cpu_serve_config_v2_is_deploy_serve_config_with_redis(name):
     v2 = serve_config_v2(one(render(name), "RayService"))
-    assert differing(v2, deploy_serve_config()) == {"/applications/0/args/cluster/kvdir/url"}
+    # the in-cluster Redis, and proxies bound to every interface (a VM's serve config keeps loopback)
+    assert differing(v2, deploy_serve_config()) == {"/applications/0/args/cluster/kvdir/url", "/http_options/host",
+                                                    "/applications/0/args/cluster/network/host"}
     assert v2["applications"][0]["args"]["cluster"]["kvdir"]["url"] == "redis://redis:6379/0"
+    assert v2["http_options"]["host"] == "0.0.0.0" and deploy_serve_config()["http_options"]["host"] == "127.0.0.1"
 
 
 def test_hopper_serve_config_v2_differs_only_in_cluster_and_sizes():
     from cluster.deploy_config import render as generate
 
     v2 = serve_config_v2(one(render("overlays/hopper"), "RayService"))
-    assert v2 == yaml.safe_load(generate("configs/hopper.yaml"))
-    allowed = ("/applications/0/args/cluster/", "/applications/0/deployments/")
+    assert v2 == yaml.safe_load(generate("configs/hopper.yaml", overrides={"network": {"host": "0.0.0.0"}}))
+    allowed = ("/applications/0/args/cluster/", "/applications/0/deployments/", "/http_options/host")
     assert all(p.startswith(allowed) for p in differing(v2, deploy_serve_config()))
     app = v2["applications"][0]
     assert [d["name"] for d in app["deployments"]] == ["Router", "Verifier", "Drafter"]
