@@ -268,6 +268,7 @@ class RemoteDrafter(Drafter):
             if got is not True:  # the probe's connection, now this thread's
                 self.client, self.refresh_at = got, time.monotonic() + self.REFRESH_S
             self.down = False
+            log.warning("drafter %s answered a probe; drafting again", self.name)
             return True
         if time.monotonic() >= self.skip_until and (self.probe is None or not self.probe.is_alive()):
             self.probe = threading.Thread(target=self._probe, name=f"drafter-probe-{self.name}", daemon=True)
@@ -293,7 +294,8 @@ class RemoteDrafter(Drafter):
                 client.close()
             self.backoff_s = min(self.MAX_BACKOFF_S, max(self.MIN_BACKOFF_S, 2 * self.backoff_s))
             self.skip_until = time.monotonic() + self.backoff_s
-            log.info("drafter probe failed (%s); next in %.1f s", type(e).__name__, self.backoff_s)
+            log.warning("drafter %s probe failed (%s: %s); next in %.1f s", self.name, type(e).__name__,
+                        str(e)[:120], self.backoff_s)
 
     def _succeeded(self, requests: list[DraftRequest], resync: list[bool] | None) -> None:
         for r, again in zip(requests, resync or ()):
