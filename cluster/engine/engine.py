@@ -28,7 +28,7 @@ from cluster.engine.drafting import DraftPlanner
 from cluster.engine.hashing import model_seed
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.loader import load_model, load_tokenizer
-from cluster.engine.logprobs import emitted_logprobs
+from cluster.engine.logprobs import accepted_logprobs
 from cluster.engine.memory import num_kv_blocks
 from cluster.engine.model import CausalLM, compile_kernels
 from cluster.engine.observation import StepObservation, observation
@@ -222,7 +222,7 @@ class Engine:
         rows = [seqs[b] for b in done]
         last = logits[done][:, None]
         first = self._acceptance(rows, last, DraftOutput([[]] * len(done), [], []))
-        lps = self._logprobs(rows, last, first)
+        lps = accepted_logprobs([s.params.logprobs for s in rows], last, first)
         return self._keep_hidden(self._accept(rows, first.tokens, [0] * len(done), lps), hidden[done])
 
     def _gammas(self) -> dict[str, int]:
@@ -267,7 +267,7 @@ class Engine:
             for b, s in enumerate(seqs):  # the accepted positions' aux states, before num_cached moves
                 if aux is not None and self._reads_aux(s):
                     keep_aux(s, s.num_cached, aux[b, accepted_rows(result.paths[b])])
-            lps = self._logprobs(seqs, logits, result)
+            lps = accepted_logprobs([s.params.logprobs for s in seqs], logits, result)
             accepted = self._keep_hidden(self._accept(seqs, out, [len(d) for d in drafts.tokens], lps), hidden, ends)
         t2 = time.perf_counter()
         self.totals["draft_s"] += t1 - t0
@@ -291,17 +291,6 @@ class Engine:
                 and not any(d.reads_hidden for d in self.drafters.values())
                 and not any(self._reads_aux(s) for s in seqs)
                 and all(s.params.logprobs is None for s in seqs))  # it keeps no logits
-
-    @staticmethod
-    def _logprobs(seqs: list[Sequence], logits: torch.Tensor, result: Accepted) -> list | None:
-        """Each row's emitted tokens' log-probabilities where its request asked: token i was
-        drawn at the feed position after accepted node i-1 (the root for i = 0), for chains
-        and trees alike."""
-        wants = [s.params.logprobs for s in seqs]
-        if all(k is None for k in wants):
-            return None
-        feeds = [[0] + [p + 1 for p in path] for path in result.paths]
-        return emitted_logprobs(logits, wants, result.tokens, feeds)
 
     def _reads_aux(self, seq: Sequence) -> bool:
         """This sequence's drafter reads the target's aux hidden states (EAGLE-3)."""

@@ -53,3 +53,14 @@ def emitted_logprobs(logits: torch.Tensor, wants: list[int | None], tokens: list
             m += 1
         out[b] = row
     return out
+
+
+def accepted_logprobs(wants: list[int | None], logits: torch.Tensor, result) -> list | None:
+    """Each row's emitted tokens' log-probabilities where its request asked (`wants[b]`: its
+    alternatives, None: not asked), from a verify pass's logits and its acceptance
+    (cluster.engine.acceptance.Accepted): token i was drawn at the feed position after
+    accepted node i-1 (the root for i = 0), for chains and trees alike."""
+    if all(k is None for k in wants):
+        return None
+    feeds = [[0] + [p + 1 for p in path] for path in result.paths]
+    return emitted_logprobs(logits, wants, result.tokens, feeds)

@@ -92,3 +92,16 @@ def run_concurrently(fn, n: int, timeout_s: float) -> tuple[dict, list]:
     for t in threads:
         t.join(timeout=timeout_s)
     return results, errors
+
+
+def plain_tokens(prompts: list[str], max_tokens: int, engine: dict) -> list[list[int]]:
+    """What the in-process engine (the demo pair, speculation off) emits for each prompt:
+    the tokens a fault must not change."""
+    from cluster.config import parse_config
+    from cluster.engine.sampling import SamplingParams
+    from cluster.engine.sequence import SpecParams
+    from cluster.serve.build import build_engine
+
+    out = build_engine(parse_config({"engine": engine})).generate(prompts, SamplingParams(max_tokens=max_tokens),
+                                                                 SpecParams("off"))
+    return [r["token_ids"] for r in out]

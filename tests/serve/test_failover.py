@@ -12,10 +12,7 @@ import pytest
 
 from cluster.client import Client
 from cluster.config import parse_config
-from cluster.engine.sampling import SamplingParams
-from cluster.engine.sequence import SpecParams
-from cluster.serve.build import build_engine
-from tests.serve.chaos import kill_replica, replica_ids, wait_healthy, wait_until
+from tests.serve.chaos import kill_replica, plain_tokens, replica_ids, wait_healthy, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -48,9 +45,7 @@ def client(serve_grpc, demo_pair):
 
 @pytest.fixture(scope="module")
 def reference(demo_pair):
-    engine = build_engine(parse_config({"engine": ENGINE}))
-    out = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), SpecParams("off"))
-    return [r["token_ids"] for r in out]
+    return plain_tokens(PROMPTS, MAX_TOKENS, ENGINE)
 
 
 def test_streams_survive_a_verifier(client, reference):

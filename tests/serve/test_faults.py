@@ -23,11 +23,16 @@ import redis
 
 from cluster.client import Client
 from cluster.config import parse_config
-from cluster.engine.sampling import SamplingParams
-from cluster.engine.sequence import SpecParams
 from cluster.kvdir.embedded import free_port, start_local_server
-from cluster.serve.build import build_engine
-from tests.serve.chaos import drafter_sequences, kill_replica, replica_ids, wait_healthy, wait_idle, wait_until
+from tests.serve.chaos import (
+    drafter_sequences,
+    kill_replica,
+    plain_tokens,
+    replica_ids,
+    wait_healthy,
+    wait_idle,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -71,9 +76,7 @@ def client(serve_grpc, demo_pair, kvdir):
 
 @pytest.fixture(scope="module")
 def reference(demo_pair):
-    engine = build_engine(parse_config({"engine": ENGINE}))
-    out = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), SpecParams("off"))
-    return [r["token_ids"] for r in out]
+    return plain_tokens(PROMPTS, MAX_TOKENS, ENGINE)
 
 
 def run_streams(client, prompts, **kw):
