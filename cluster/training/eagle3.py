@@ -34,9 +34,8 @@ from tqdm.auto import tqdm
 from cluster.engine.drafters.eagle3_head import Eagle3Head, HeadConfig
 from cluster.engine.drafters.eagle3_load import default_aux_layers, save_head
 from cluster.engine.kv_cache import KVCache
-from cluster.engine.loader import load_model, load_tokenizer
 from cluster.engine.runner import Runner
-from cluster.training.medusa import DEMO_TARGET, continuations, prompt_windows
+from cluster.training.medusa import DEMO_TARGET, continuations, frozen_target, prompt_windows
 
 OUT_DIR = "eagle3"  # beside the target (cluster.serve.build.EAGLE3_DIR)
 
@@ -227,13 +226,8 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
     t0 = time.monotonic()
-    model = load_model(args.target, torch.float32, args.device)
-    for p in model.parameters():
-        p.requires_grad_(False)  # frozen: only the head learns
-    tok = load_tokenizer(args.target)
+    model, tok = frozen_target(args, args.device)
     aux_layers = (tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers
                   else pick_aux_layers(model.shape.layers))
     model.aux_layers = aux_layers

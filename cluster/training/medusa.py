@@ -170,15 +170,21 @@ def parse_args(argv):
     return ap.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def frozen_target(args, device: str = "cpu"):
+    """The target (fp32, no gradients: only a head beside it learns) and its tokenizer, with
+    the run's seed and thread count set."""
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    t0 = time.monotonic()
-    model = load_model(args.target, torch.float32, "cpu")
+    model = load_model(args.target, torch.float32, device)
     for p in model.parameters():
-        p.requires_grad_(False)  # frozen: only the heads learn
-    tok = load_tokenizer(args.target)
+        p.requires_grad_(False)
+    return model, load_tokenizer(args.target)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.monotonic()
+    model, tok = frozen_target(args)
     K, lm_head = args.heads, model.lm_head.weight
     n_greedy = round(args.prompts * args.greedy_share)
     prompts = prompt_windows("train", args.prompts, args.prompt_len, tok, args.seed)
