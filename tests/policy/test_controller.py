@@ -252,24 +252,31 @@ class HopperSim:
         return obs, v + d, b + sum(acc)
 
 
+def ramp(ctrl, sim: HopperSim, levels, steps: int) -> dict[int, float]:
+    """One controller (on an engine that runs plain steps ahead) over rising batch sizes:
+    at each, `steps` steps to warm up, then `steps` measured; its tokens per second there
+    over plain decoding run ahead (0.85 of a lone step)."""
+    ctrl.plain_runs_ahead = True
+    ratios = {}
+    for b in levels:
+        plain = b / (0.85 * sim.verify_s(b, b))
+        for _phase in ("warm-up", "measure"):
+            secs = toks = 0.0
+            for _ in range(steps):
+                obs, s, n = sim(b, ctrl.gamma(b))
+                ctrl.observe(obs)
+                secs, toks = secs + s, toks + n
+        ratios[b] = toks / secs / plain
+    return ratios
+
+
 def test_goodput_ramp_never_falls_below_plain_decoding():
     # One controller over a rising load (as gpu_bench's sweep and a server whose load
     # rises): what it learnt at low concurrency mispredicts the costs at 64 rows, where the
     # H100 run kept gamma at 8 and made 0.69 of plain decoding's throughput. Each level
     # warms the controller up, then its goodput is compared with plain decoding run ahead.
     ctrl = make_controller(SpeculationPolicyConfig(mode="goodput"))
-    ctrl.plain_runs_ahead = True
-    sim = HopperSim(seed=7)
-    ratios = {}
-    for b in (1, 4, 16, 64):
-        plain = b / (0.85 * sim.verify_s(b, b))
-        for phase in ("warm-up", "measure"):
-            secs = toks = 0.0
-            for _ in range(120):
-                obs, s, n = sim(b, ctrl.gamma(b))
-                ctrl.observe(obs)
-                secs, toks = secs + s, toks + n
-        ratios[b] = toks / secs / plain
+    ratios = ramp(ctrl, HopperSim(seed=7), (1, 4, 16, 64), 120)
     # the best fixed gamma in this simulation: 1.99x plain at 1 row (gamma 8), plain at 64
     assert ratios[1] >= 0.9 * 1.99, ratios
     assert min(ratios.values()) >= 0.95, ratios
@@ -292,17 +299,6 @@ def test_goodput_paces_dear_probes_by_their_cost():
     # by the explore budget, probes cost about that budget and no more.
     cfg = SpeculationPolicyConfig(mode="goodput")
     ctrl = make_controller(cfg)
-    ctrl.plain_runs_ahead = True
-    sim = DearDraftSim(seed=7)
-    ratios = {}
-    for b in (1, 16, 64, 128, 256):
-        plain = b / (0.85 * sim.verify_s(b, b))
-        for _phase in ("warm-up", "measure"):
-            secs = toks = 0.0
-            for _ in range(400):
-                obs, s, n = sim(b, ctrl.gamma(b))
-                ctrl.observe(obs)
-                secs, toks = secs + s, toks + n
-        ratios[b] = toks / secs / plain
+    ratios = ramp(ctrl, DearDraftSim(seed=7), (1, 16, 64, 128, 256), 400)
     assert min(ratios[b] for b in (64, 128, 256)) >= 0.97, ratios
     assert ctrl.snapshot()["probe_time_share"] <= 1.5 * cfg.explore_budget, ctrl.snapshot()
