@@ -133,9 +133,10 @@ def test_verifier_killed_mid_generation(client):
     kill_replica(APP, "Verifier")
     for t in threads:
         t.join(60)
-    # in flight on the dead replica: UNAVAILABLE, promptly (the client deadline is 120 s)
-    cut = [e for e, end in zip(errors, ends) if end > killed_at]
-    assert cut and all(e is not None and e.code() == grpc.StatusCode.UNAVAILABLE for e in cut), errors
+    # in flight on the dead replica: UNAVAILABLE, promptly (the client deadline is 120 s); a
+    # stream may still finish whole in the moment between the kill call and the death
+    cut = [e for e in errors if e is not None]
+    assert cut and all(e.code() == grpc.StatusCode.UNAVAILABLE for e in cut), errors
     assert all("verifier unavailable" in e.details() for e in cut)
     assert max(ends) - killed_at < 15, f"took {max(ends) - killed_at:.1f}s to fail over"
 
@@ -149,6 +150,8 @@ def test_verifier_killed_mid_generation(client):
 
 def test_kv_directory_killed_and_restarted(client, kvdir):
     registry = f"sc:{{{APP}:demo-target}}:replicas"
+    wait_healthy(APP)  # on its own, not only after the tests before it: a verifier serves
+    assert client.generate(PROMPTS[0], max_tokens=4).finish_reason
     wait_until(lambda: redis.Redis.from_url(kvdir["url"]).zcard(registry) >= 1, 20, "the verifier registered")
     stop_load, failures, done = threading.Event(), [], [0]
 
