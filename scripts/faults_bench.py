@@ -5,7 +5,8 @@
 
 outage: one verifier, one drafter replica (disaggregated), 16 closed-loop client streams.
 Tokens/s with speculation off, then with the draft model at gamma 4, then with gamma 4 through
-two drafter outages, each set against plain decoding's tokens/s:
+two drafter outages, then plain again; each outage is set against plain decoding's tokens/s
+(the mean of the two plain phases, as the host's load drifts):
 - `stop`: the drafter process is frozen (SIGSTOP) for --seconds, a hung drafter: no socket
   closes, draft calls just go unanswered; then it is thawed and answers again;
 - `kill`: the drafter replica is killed; the outage lasts until the verifier drafts again
@@ -112,14 +113,21 @@ def outage(client, args, bar) -> dict:
         resumed_s[fault] = None if resumed is None else resumed - at
         sample(time.monotonic() + args.settle)  # speculating again before the next fault
         bar.update()
+    load.spec = "off"  # plain again: the baseline is the mean of before and after (drift)
+    time.sleep(args.settle)
+    t0 = time.monotonic()
+    sample(t0 + args.seconds)
+    phases["plain_after"] = {"t0": t0, "t1": time.monotonic()}
+    bar.update()
     end = time.monotonic()
     load.stop.set()
     for t in load.threads:
         t.join(args.max_tokens)
     out = {name: {**p, "tokens_per_s": load.rate(p["t0"], p["t1"]), "seconds": p["t1"] - p["t0"]}
            for name, p in phases.items()}
+    plain = (out["plain"]["tokens_per_s"] + out["plain_after"]["tokens_per_s"]) / 2
     for fault, r in resumed_s.items():
-        out[f"outage_{fault}_over_plain"] = out[f"outage_{fault}"]["tokens_per_s"] / out["plain"]["tokens_per_s"]
+        out[f"outage_{fault}_over_plain"] = out[f"outage_{fault}"]["tokens_per_s"] / plain
         out[f"speculation_resumed_s_{fault}"] = r
     out["errors"] = load.errors
     t_first = phases["plain"]["t0"]
@@ -189,8 +197,11 @@ def plot(result: dict, path: Path) -> None:
             t, rate = zip(*r["timeline"])
             ax.plot(t, rate, lw=1, color="black", label="tokens/s (1 s window)")
             t_first = r["plain"]["t0"]
-            names = [k for k in r if k in ("plain", "speculating") or k.startswith("outage_") and "_over_" not in k]
-            for name, color in zip(names, ("tab:blue", "tab:green", "tab:red", "tab:orange")):
+            names = [k for k in r if k in ("plain", "speculating", "plain_after")
+                     or k.startswith("outage_") and "_over_" not in k]
+            colors = {"plain": "tab:blue", "plain_after": "tab:blue", "speculating": "tab:green"}
+            for name in names:
+                color = colors.get(name, "tab:red" if "stop" in name else "tab:orange")
                 ax.axvspan(r[name]["t0"] - t_first, r[name]["t1"] - t_first, color=color, alpha=0.15,
                            label=f"{name}: {r[name]['tokens_per_s']:.0f} tok/s")
             ratios = ", ".join(f"{k[7:-11]} {v:.2f}" for k, v in r.items() if k.endswith("_over_plain"))
@@ -214,7 +225,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=15.0, help="length of the plain and speculating phases")
-    ap.add_argument("--warmup", type=float, default=10.0)
+    ap.add_argument("--warmup", type=float, default=20.0)
     ap.add_argument("--settle", type=float, default=3.0, help="after a phase change, before measuring")
     ap.add_argument("--drain-s", type=float, default=1.0, help="router.drafter_timeout_s: calls in flight at the kill")
     ap.add_argument("--burst", type=int, default=300)
@@ -237,7 +248,7 @@ def main() -> int:
         "verifier": {"ray_actor_options": {"num_cpus": 1}}, "drafter": {"ray_actor_options": {"num_cpus": 1}},
         "network": {"grpc_port": args.port, "app_name": APP, "route_prefix": f"/{APP}"}}))
     result = {"streams": args.streams, "max_tokens": args.max_tokens, "gamma": args.gamma, "engine": ENGINE}
-    bar = tqdm(total=(2 + len(args.faults.split(","))) * ("outage" in parts) + ("stats" in parts), desc="faults bench")
+    bar = tqdm(total=(3 + len(args.faults.split(","))) * ("outage" in parts) + ("stats" in parts), desc="faults bench")
     try:
         with Client(f"localhost:{args.port}", application=APP, timeout=300) as client:
             if "outage" in parts:
