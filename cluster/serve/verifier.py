@@ -150,22 +150,35 @@ class Verifier:
             raise RuntimeError(f"engine loop is dead: {self.loop.error}")
 
     def _report(self) -> None:
-        """Push stats to the board; take back the cluster's in-flight count for the controller.
-        The KV pool's metrics are set here too, once a second whether or not steps run."""
+        """Push stats to the board every REPORT_S; take back the cluster's in-flight count for
+        the controller from the previous push's answer, so a slow board never stretches the
+        period (GetStats drops a replica silent for FRESH_S). The KV pool's metrics are set
+        here too, whether or not steps run."""
+        sent, late_logged = None, False
         while self.loop.alive:
+            started = time.monotonic()
             try:
                 stats = self.stats()
                 try:
                     self.metrics.kv(stats)
                 except Exception as e:  # metrics are advice too: the report still goes
                     log.debug("KV pool metrics failed: %s", e)
-                inflight, replicas = self.board.report.remote(self.replica_id, stats).result(timeout_s=5)
-                self.engine.cluster_inflight = inflight
-                if self.engine.controller:
-                    self.engine.controller.set_num_verifier_replicas(max(1, replicas))
+                if sent is not None:
+                    try:
+                        inflight, replicas = sent.result(timeout_s=0)
+                        self.engine.cluster_inflight = inflight
+                        if self.engine.controller:
+                            self.engine.controller.set_num_verifier_replicas(max(1, replicas))
+                    except TimeoutError:
+                        pass  # still on its way: its count is a period older next time
+                sent = self.board.report.remote(self.replica_id, stats)
             except Exception as e:  # the board is advice; never let it hurt serving
                 log.debug("stats report failed: %s", e)
-            time.sleep(REPORT_S)
+            took = time.monotonic() - started
+            if took > FRESH_S - REPORT_S and not late_logged:
+                log.warning("a stats report took %.1f s; GetStats omits replicas silent for %.0f s", took, FRESH_S)
+                late_logged = True
+            time.sleep(max(0.0, REPORT_S - took))
 
     async def __del__(self):
         """Serve awaits this on clean shutdown: drop our directory entries now, not a TTL later."""

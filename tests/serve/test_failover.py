@@ -1,5 +1,5 @@
 """Streams survive a verifier (issue 27): two verifier replicas, one killed while both hold
-sequences. The router resubmits each broken request, prompt plus the tokens already
+sequences of 16 streams. The router resubmits each broken request, prompt plus the tokens already
 streamed, to the other: every request completes, greedy ones with the tokens of an unbroken
 run, no token repeated or missing at the seam (the unit side: tests/serve/test_failover_unit.py)."""
 
@@ -19,8 +19,10 @@ pytestmark = pytest.mark.slow
 APP = "failover"
 PROMPTS = ["import os\nimport sys\n\ndef main(", "class Config:\n    def __init__(self", "for i in range(",
            "    return self._", "def parse_args(argv):", "with open(path) as f:", "try:\n    import ",
-           "if __name__ == "]
-MAX_TOKENS = 160
+           "if __name__ == ", "def __repr__(self):", "while True:\n    ", "class Node:\n    ",
+           "    @property\n    def ", "except Exception as e:", "from typing import ", "def test_",
+           "    for key, value in "]
+MAX_TOKENS = 128  # 16 streams (issue 27): 8 per replica
 ENGINE = {"max_num_seqs": 8, "max_model_len": 256}
 
 
