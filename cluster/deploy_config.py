@@ -76,8 +76,9 @@ def _tidy(value):
 
 
 def deployment_entries(cfg: ClusterConfig) -> list[dict]:
-    """Replicas or autoscaling, max_ongoing_requests and ray_actor_options of each sized
-    deployment, read back from the application the code builds for `cfg`."""
+    """Replicas or autoscaling, max_ongoing_requests, ray_actor_options and any placement
+    group (tensor-parallel verifiers) of each sized deployment, read back from the
+    application the code builds for `cfg`."""
     from ray.serve._private.build_app import build_app as serve_build
     from ray.serve.deployment import deployment_to_schema
 
@@ -91,13 +92,17 @@ def deployment_entries(cfg: ClusterConfig) -> list[dict]:
             continue
         d = by_name[name]
         entry: dict = {"name": name}
-        autoscaling = deployment_to_schema(d).model_dump(exclude_unset=True).get("autoscaling_config")
+        schema = deployment_to_schema(d).model_dump(exclude_unset=True)
+        autoscaling = schema.get("autoscaling_config")
         if autoscaling:
             entry["autoscaling_config"] = autoscaling
         else:
             entry["num_replicas"] = d.num_replicas
         entry["max_ongoing_requests"] = d.max_ongoing_requests
         entry["ray_actor_options"] = dict(d.ray_actor_options or {})
+        for key in ("placement_group_bundles", "placement_group_strategy"):  # tensor-parallel verifiers
+            if schema.get(key):
+                entry[key] = schema[key]
         entries.append(_tidy(entry))
     return entries
 

@@ -67,8 +67,11 @@ def free_port() -> int:
 
 
 def rank_device(device: str, rank: int) -> torch.device:
-    """A rank's device: cuda:<rank> for the GPUs of one node, cpu as it is."""
-    return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device(device)
+    """A rank's device: cuda:<rank> where the process sees the node's GPUs (spawned ranks),
+    cuda:0 where it sees only its own (Ray sets CUDA_VISIBLE_DEVICES per actor); cpu as it is."""
+    if device != "cuda":
+        return torch.device(device)
+    return torch.device(f"cuda:{rank % torch.cuda.device_count()}")
 
 
 def init_group(rank: int, size: int, addr: str, port: int, device: str, step_timeout_s: float) -> Group:

@@ -123,16 +123,32 @@ class ParallelRunner(Runner):
                               f"{': ' + ', '.join(dead) + ' gone' if dead else ''} ({e})") from e
 
 
-def start_ranks(target: str, cfg, step_timeout_s: float = STEP_TIMEOUT_S) -> Group:
-    """Spawn ranks 1..N-1 of `cfg.tensor_parallel_size` for the target model directory and
-    join them as rank 0 (this process), on one host."""
+def spawn(rank: int, size: int, addr: str, port: int, target: str, cfg, step_timeout_s: float):
+    """The launcher without Ray (`generate --local`, tests): a spawned child process of this
+    one. A launcher returns a handle with multiprocessing.Process's pid, is_alive(),
+    exitcode, join(timeout) and terminate(); under Serve the followers are Ray actors in
+    the replica's placement group instead (cluster.serve.followers)."""
     ctx = torch.multiprocessing.get_context("spawn")
+    p = ctx.Process(target=follow, args=(rank, size, port, target, cfg, step_timeout_s, addr),
+                    name=f"tp-rank-{rank}", daemon=True)
+    p.start()
+    return p
+
+
+def start_ranks(target: str, cfg, step_timeout_s: float = STEP_TIMEOUT_S, launch=spawn,
+                addr: str = "127.0.0.1") -> Group:
+    """Start ranks 1..N-1 of `cfg.tensor_parallel_size` for the target model directory with
+    `launch` and join them as rank 0 (this process). `addr`: this host's address as the
+    followers reach it (the rendezvous listens on every interface)."""
+    size = cfg.tensor_parallel_size
     port = free_port()
-    procs = [ctx.Process(target=follow, args=(r, cfg.tensor_parallel_size, port, str(target), cfg, step_timeout_s),
-                         name=f"tp-rank-{r}", daemon=True) for r in range(1, cfg.tensor_parallel_size)]
-    for p in procs:
-        p.start()
-    group = init_group(0, cfg.tensor_parallel_size, "127.0.0.1", port, cfg.device, step_timeout_s)
+    procs = [launch(r, size, addr, port, str(target), cfg, step_timeout_s) for r in range(1, size)]
+    try:
+        group = init_group(0, size, addr, port, cfg.device, step_timeout_s)
+    except BaseException:
+        for p in procs:
+            p.terminate()
+        raise
     group.procs = procs
     return group
 
