@@ -139,7 +139,14 @@ LLAMA_8B_DRAFT = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=
                       head_dim=64, intermediate_size=384)
 
 
-SHAPES = {"llama-3.1-8b": lambda: _llama_8b(), "llama-3.1-8b-draft": lambda: {**_llama_8b(), **LLAMA_8B_DRAFT}}
+# Llama-3.1-70B (and 3.3-70B): the 8B's vocabulary and rotary, twice the width, 80 layers, 8 q
+# heads per KV head; the demo target fits it as it fits the 8B (a KV head's 2 q heads, head dim
+# 32 -> 128). A pair with demo-8b-draft (the same 128k vocabulary) for the multi-GPU runs.
+LLAMA_70B = {**LLAMA_8B, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+             "intermediate_size": 28672}
+
+SHAPES = {"llama-3.1-8b": lambda: _llama_8b(), "llama-3.1-8b-draft": lambda: {**_llama_8b(), **LLAMA_8B_DRAFT},
+          "llama-3.1-70b": lambda: dict(LLAMA_70B)}
 
 
 def _llama_8b() -> dict:
@@ -148,14 +155,15 @@ def _llama_8b() -> dict:
 
 def load_embedded(path, dtype, device) -> CausalLM:
     """A model directory holding embed.json: {"source": small model dir (relative to it),
-    "shape": a name in SHAPES or LlamaConfig fields, "seed": for the padding's random values}."""
+    "shape": a name in SHAPES or LlamaConfig fields, "overrides": LlamaConfig fields over the
+    named shape (a test's fewer layers), "seed": for the padding's random values}."""
     import json
     from pathlib import Path
 
     path = Path(path)
     spec = json.loads((path / "embed.json").read_text())
     shape = spec["shape"]
-    big = SHAPES[shape]() if isinstance(shape, str) else shape
+    big = {**(SHAPES[shape]() if isinstance(shape, str) else shape), **spec.get("overrides", {})}
     small = load_hf_model((path / spec["source"]).resolve(), torch.float32, "cpu")
     return embed_llama(small, big, device, dtype, spec.get("seed", 0))
 

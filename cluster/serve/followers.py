@@ -41,12 +41,15 @@ def placement_options(cfg) -> dict:
             "placement_group_strategy": "STRICT_PACK"}
 
 
-@ray.remote
+@ray.remote(max_concurrency=2)  # where() answers while follow() runs
 class Follower:
     """One follower rank's process: cluster.engine.ranks.follow for its whole life."""
 
-    def pid(self) -> int:
-        return os.getpid()
+    def where(self) -> dict:
+        """Its process, node and placement group (for operators and tests)."""
+        pg = get_current_placement_group()
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "placement_group_id": pg.id.hex() if pg else None}
 
     def follow(self, rank: int, size: int, addr: str, port: int, target: str, cfg, step_timeout_s: float) -> None:
         from cluster.engine.ranks import follow
@@ -59,7 +62,7 @@ class FollowerHandle:
 
     def __init__(self, actor, rank: int):
         self.actor, self.rank = actor, rank
-        self.pid = ray.get(actor.pid.remote(), timeout=START_TIMEOUT_S)  # placed and started
+        self.pid = ray.get(actor.where.remote(), timeout=START_TIMEOUT_S)["pid"]  # placed and started
         self.done = None
 
     def start(self, *args) -> None:
@@ -90,10 +93,13 @@ def launch(rank: int, size: int, addr: str, port: int, target: str, cfg, step_ti
     """cluster.engine.ranks launcher: rank `rank` as a Follower actor in bundle `rank` of this
     replica's placement group (or, outside one, wherever Ray places one device's worth)."""
     pg = get_current_placement_group()
-    res = {"num_gpus": 1, "num_cpus": 1} if cfg.device == "cuda" else {"num_cpus": 1}
-    where = {} if pg is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-        pg, placement_group_bundle_index=rank)}
-    h = FollowerHandle(Follower.options(**res, **where).remote(), rank)
+    opts = {"num_gpus": 1, "num_cpus": 1} if cfg.device == "cuda" else {"num_cpus": 1}
+    if pg is not None:
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+        name = ray.util.placement_group_table(pg)["name"]  # Serve names it after the replica actor
+        if name:
+            opts["name"] = f"{name}::rank-{rank}"
+    h = FollowerHandle(Follower.options(**opts).remote(), rank)
     h.start(rank, size, addr, port, target, cfg, step_timeout_s)
     return h
 
