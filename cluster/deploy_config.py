@@ -13,7 +13,7 @@ come from building the application and reading back each deployment's options, a
 The autoscaling file is folded into those entries and dropped from the inline config.
 
 The KubeRay form is a JSON6902 patch that sets a RayService's `spec.serveConfigV2` to the
-same document (k8s/base and k8s/overlays/hopper apply them with kustomize).
+same document (k8s/base, k8s/overlays/hopper and hopper-70b apply them with kustomize).
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ TARGETS = (
            {"kvdir": {"url": K8S_KVDIR_URL}, "network": {"host": "0.0.0.0"}}),
     # configs/hopper.yaml names its Redis itself (in-cluster or external).
     Target("k8s/overlays/hopper/serve-config-v2.yaml", "configs/hopper.yaml", "kuberay",
+           {"network": {"host": "0.0.0.0"}}),
+    Target("k8s/overlays/hopper-70b/serve-config-v2.yaml", "configs/hopper-70b.yaml", "kuberay",
            {"network": {"host": "0.0.0.0"}}),
 )
 

@@ -18,7 +18,7 @@ import ray
 
 from cluster.client import Client
 from cluster.config import parse_config
-from tests.serve.chaos import NAMESPACE, PREFIX, plain_tokens, replica_ids, wait_healthy, wait_idle, wait_until
+from tests.serve.chaos import PREFIX, plain_tokens, replica_ids, wait_healthy, wait_idle, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -62,9 +62,9 @@ def followers(rid: str | None = None) -> dict[str, dict]:
     """Live follower ranks of the app's verifier replicas (or of replica `rid`), by actor name:
     cluster.serve.followers names them `<replica actor>::rank-<r>`; each says where it runs."""
     head = f"{PREFIX}{APP}#Verifier#{rid or ''}"
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == NAMESPACE and a["name"].startswith(head) and "::rank-" in a["name"]]
-    return {n: ray.get(ray.get_actor(n, namespace=NAMESPACE).where.remote(), timeout=30) for n in names}
+    named = [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith(head) and "::rank-" in a["name"]]
+    return {n: ray.get(ray.get_actor(n, namespace=ns).where.remote(), timeout=30) for n, ns in named}
 
 
 def replica_group(rid: str) -> tuple[str, dict]:
