@@ -3,6 +3,7 @@ large benchmark's acceptance is then the trained pair's, measured at the large s
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cluster.engine.embedded import embed_llama
@@ -113,3 +114,30 @@ def test_demo_70b_construction_keeps_the_demo_logits_at_reduced_size(demo_pair, 
     a, b = _logits(small, PROMPT), _logits(big, PROMPT)
     assert torch.allclose(a, b[:, :4096], atol=1e-4)
     assert b[:, 4096:].max() < a.min() - 100
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_rank_builds_its_slice_of_the_embedded_model(demo_pair, size):
+    """A tensor-parallel rank's embedded model is exactly its checkpoint slice
+    (cluster.engine.sharding) of the one-process model: a real layer, a padding layer, the
+    vocabulary-split embedding and head (the last slice zero-padded), the replicated norm."""
+    from cluster.engine.embedded import embed_llama_shard, hf_layer_weights
+    from cluster.engine.parallel import Group
+    from cluster.engine.sharding import local_shape, take, weight_slice
+
+    small = load_model(demo_pair[0], torch.float32, "cpu")
+    full = embed_llama(small, BIG, "cpu", torch.float32)
+    b = full.shape
+    ends = {"model.embed_tokens.weight": lambda m: m.embed_tokens.weight, "lm_head.weight": lambda m: m.lm_head.weight,
+            "model.norm.weight": lambda m: m.norm.weight}
+    for rank in range(size):
+        part = embed_llama_shard(small, BIG, "cpu", torch.float32, 0, Group(rank, size, torch.device("cpu")))
+        assert part.shape == local_shape(b, size)
+        for i in (0, 1):  # layer 0 holds a demo layer; layer 1 is padding (9 layers over the demo's 6)
+            mine = hf_layer_weights(part.layers[i], part.shape)
+            for name, t in hf_layer_weights(full.layers[i], b).items():
+                want = take(t, list(t.shape), weight_slice(f"model.layers.{i}.{name}", b, rank, size))
+                assert torch.equal(mine[name], want), (rank, i, name)
+        for name, get in ends.items():
+            t = get(full)
+            assert torch.equal(get(part), take(t, list(t.shape), weight_slice(name, b, rank, size))), (rank, name)
