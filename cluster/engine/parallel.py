@@ -61,8 +61,9 @@ class Group:
 
 
 def free_port() -> int:
+    """A port free on every interface: rank 0's rendezvous listens on all of them."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
