@@ -122,6 +122,11 @@ class NetworkSection(_Strict):
     """Address the HTTP proxy binds: loopback unless set (the k8s overlays set 0.0.0.0, for the
     Service). Serve's gRPC proxy binds every interface whatever this says (Ray 2.60 hard-codes
     `[::]`): with no API keys `spec-cluster up` warns about it."""
+    drafter_host: str = "auto"
+    """Address a drafter replica's ZeroMQ socket binds (verifiers' direct draft calls).
+    `auto`: loopback while every Ray node runs on the drafter's host (`spec-cluster up` on one
+    machine), else the node's IP; `node`: the node's IP always (set it where verifiers on other
+    hosts may join later); anything else is bound and advertised as given."""
     grpc_port: int = Field(9000, ge=1, le=65535)
     http_port: int = Field(8000, ge=1, le=65535)
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=4096)

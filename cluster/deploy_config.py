@@ -48,12 +48,12 @@ TARGETS = (
     Target("deploy/serve_config.yaml", "configs/cluster.yaml"),
     # in a pod the proxies bind every interface: the Service reaches them from outside it
     Target("k8s/base/serve-config-v2.yaml", "configs/cluster.yaml", "kuberay",
-           {"kvdir": {"url": K8S_KVDIR_URL}, "network": {"host": "0.0.0.0"}}),
+           {"kvdir": {"url": K8S_KVDIR_URL}, "network": {"host": "0.0.0.0", "drafter_host": "node"}}),
     # configs/hopper.yaml names its Redis itself (in-cluster or external).
     Target("k8s/overlays/hopper/serve-config-v2.yaml", "configs/hopper.yaml", "kuberay",
-           {"network": {"host": "0.0.0.0"}}),
+           {"network": {"host": "0.0.0.0", "drafter_host": "node"}}),
     Target("k8s/overlays/hopper-70b/serve-config-v2.yaml", "configs/hopper-70b.yaml", "kuberay",
-           {"network": {"host": "0.0.0.0"}}),
+           {"network": {"host": "0.0.0.0", "drafter_host": "node"}}),
 )
 
 

@@ -89,16 +89,14 @@ class Admission:
     """One per ingress replica: its API keys, its in-flight counts, and the tokenizer.
 
     `model_info` is an async callable returning a verifier's `model_info()` (it should
-    cache: every admitted request awaits it). `on_inflight`, if given, hears the router's
-    in-flight count after every change.
+    cache: every admitted request awaits it).
     """
 
-    def __init__(self, cfg: ClusterConfig, tokenizer, model_info: Callable[[], Awaitable[dict]],
-                 on_inflight: Callable[[int], None] | None = None):
+    def __init__(self, cfg: ClusterConfig, tokenizer, model_info: Callable[[], Awaitable[dict]]):
         self.settings = cfg.router
         self.model = cfg.models.target
         self.gamma_max = cfg.speculation.gamma_max
-        self.tokenizer, self.model_info, self.on_inflight = tokenizer, model_info, on_inflight
+        self.tokenizer, self.model_info = tokenizer, model_info
         self.api_keys = api_keys(cfg.router)
         self.inflight = 0
         self.per_client: Counter[str] = Counter()
@@ -172,7 +170,6 @@ class Admission:
             raise AdmissionError(ErrorKind.EXHAUSTED, f"client concurrency limit reached ({r.per_client_concurrency})")
         self.inflight += 1
         self.per_client[client] += 1
-        self._changed()
         try:
             yield
         finally:
@@ -180,8 +177,3 @@ class Admission:
             self.per_client[client] -= 1
             if not self.per_client[client]:
                 del self.per_client[client]  # one entry per client ever seen would only grow
-            self._changed()
-
-    def _changed(self) -> None:
-        if self.on_inflight is not None:
-            self.on_inflight(self.inflight)

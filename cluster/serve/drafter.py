@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 
 import numpy as np
@@ -29,10 +30,25 @@ from cluster.policy.autoscaling import DraftDemandMeter
 log = logging.getLogger(__name__)
 
 
+def bind_host(setting: str) -> str:
+    """The address for the draft-call socket (network.drafter_host): loopback keeps the port
+    off the network where every caller shares this host."""
+    import ray
+
+    own = ray.util.get_node_ip_address()
+    if setting == "node":
+        return own
+    if setting != "auto":
+        return setting
+    if not ray.is_initialized():  # built outside a cluster (tests): every caller is local
+        return "127.0.0.1"
+    hosts = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    return "127.0.0.1" if hosts <= {own} else own
+
+
 @serve.deployment(name="Drafter")
 class DrafterDeployment:
     def __init__(self, config: dict):
-        import ray
 
         from cluster.config import ClusterConfig
         from cluster.serve.build import build_eagle3_drafter, build_model_drafter, remote_drafters
@@ -43,7 +59,7 @@ class DrafterDeployment:
         self.drafters = {name: builders[name](cfg) for name in remote_drafters(cfg)}
         self.calls = dict.fromkeys(self.drafters, 0)  # draft calls served, by drafter
         self.lock = threading.RLock()  # propose_from holds it across propose
-        self.server = DraftServer(self.propose_from, ray.util.get_node_ip_address())
+        self.server = DraftServer(self.propose_from, bind_host(cfg.network.drafter_host))
         self.demand = DraftDemandMeter()
         # a verifier that dies never releases its sequences: they expire instead
         self.ttl_s = cfg.router.drafter_state_ttl_s
@@ -126,14 +142,16 @@ class _Pending(Future):
     def __init__(self, owner: "RemoteDrafter", response, release: list[str], requests: list[DraftRequest]):
         super().__init__()
         self.owner, self.response, self.release, self.requests = owner, response, release, requests
+        self.sent = time.monotonic()
 
     def result(self, timeout=None):
         try:
-            out = self.response.result(timeout_s=self.owner.timeout_s)
+            out = self.response.result(timeout_s=self.owner.wait_s())
         except Exception:
             self.response.cancel()  # a stale call must not run later on a recovered replica
             self.owner._failed(self.release)
             raise
+        self.owner.recent_s.append(time.monotonic() - self.sent)
         self.owner._succeeded(self.requests, getattr(self.response, "resync", None))
         return out
 
@@ -150,7 +168,8 @@ class RemoteDrafter(Drafter):
     treats as 'no drafts this step'.
 
     A failure is noticed at once where the replica died (its socket closes: cluster.serve.
-    draft_rpc), else at the call's timeout. From then on the drafter is skipped (empty drafts,
+    draft_rpc), else when a call takes several times longer than the slowest recent one (a
+    hung replica closes no socket), and at the latest at the call's timeout. From then on the drafter is skipped (empty drafts,
     no call, no wait) while a probe on a thread of its own, off the steps' path, looks the
     replica up again and sends it an empty call, after a back-off that doubles up to
     `MAX_BACKOFF_S`; when one answers, the next step drafts again (through the probe's
@@ -159,6 +178,7 @@ class RemoteDrafter(Drafter):
     name = "model"
     look_ahead = "gated"  # the engine asks for the next step's drafts while this step verifies
     MIN_BACKOFF_S, MAX_BACKOFF_S = 0.5, 5.0
+    SLOW_FACTOR, MIN_WAIT_S = 4.0, 0.1  # a call this many times the slowest recent one is lost
     REFRESH_S = 30.0  # look the replica up again: callers spread onto replicas added since
 
     def __init__(self, handle, timeout_s: float, caller: str, transport: str = "direct", name: str = "model"):
@@ -177,6 +197,14 @@ class RemoteDrafter(Drafter):
         self.down = False  # since a failure, until a probe reaches a replica
         self.probe: threading.Thread | None = None
         self.recovered = None  # set by a probe that got an answer: its client (direct) or True
+        self.recent_s: deque[float] = deque(maxlen=64)  # answered calls, from send to the reply's use
+
+    def wait_s(self) -> float:
+        """How long a step waits on its draft call: a hung replica costs a fraction of a
+        second, not the whole `router.drafter_timeout_s`; until calls have been seen, that."""
+        if len(self.recent_s) < 8:
+            return self.timeout_s
+        return min(self.timeout_s, max(self.MIN_WAIT_S, self.SLOW_FACTOR * max(self.recent_s)))
 
     def propose_async(self, requests: list[DraftRequest]) -> Future:
         if self.down and not self._back():

@@ -20,7 +20,7 @@ from cluster.proto import generation_pb2 as pb
 from cluster.serve.admission import Admission, AdmissionError, GenerateInput, bearer_token
 from cluster.serve.calls import ErrorKind, RequestError, internal_error, stream_outputs
 from cluster.serve.openai_api import OpenAIRoutes, api
-from cluster.serve.stats import cluster_metrics
+from cluster.serve.stats import KEEP_S, BoardView, cluster_metrics
 from cluster.serve.wire import Undecodable
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,8 @@ class Router(OpenAIRoutes):
         ctx = serve.get_replica_context()
         self.router_id = ctx.replica_id.unique_id if ctx else "router"
         tokenizer = load_tokenizer(resolve_model_path(self.cfg.models.target))
-        self.admission = Admission(self.cfg, tokenizer, self._model_info, self._report_inflight)
+        self.admission = Admission(self.cfg, tokenizer, self._model_info)
+        self.view = BoardView(board, self.router_id, lambda: self.admission.inflight) if board else None
 
     # ---- gRPC methods ------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
@@ -132,7 +133,7 @@ class Router(OpenAIRoutes):
     async def GetStats(self, request, grpc_context=None) -> pb.Stats:
         if not self._authorized(grpc_context):  # replica ids, load and acceptance are not public
             return pb.Stats()
-        snap = (await self.board.snapshot.remote() if self.board
+        snap = (await self.view.snapshot() if self.view  # the copy: never waits on the board
                 else {"replicas": {}, "inflight": self.admission.inflight})
         out = pb.Stats()
         fields = pb.ReplicaStats.DESCRIPTOR.fields_by_name
@@ -154,8 +155,8 @@ class Router(OpenAIRoutes):
                 grpc_context.set_details(f"unknown service {request.service[:64]!r}")
             return status()
         ready = True
-        if self.board is not None:
-            ready = bool((await self.board.snapshot.remote())["replicas"])
+        if self.view is not None:
+            ready = bool((await self.view.snapshot(KEEP_S))["replicas"])  # no flapping under load
         return status(status=status.SERVING if ready else status.NOT_SERVING)
 
     def _authorized(self, grpc_context) -> bool:
@@ -189,7 +190,3 @@ class Router(OpenAIRoutes):
         if self._info is None:
             self._info = await self.verifier.model_info.remote()
         return self._info
-
-    def _report_inflight(self, n: int) -> None:
-        if self.board is not None:
-            self.board.router_inflight.remote(self.router_id, n)

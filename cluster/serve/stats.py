@@ -2,16 +2,26 @@
 deploy/grafana/spec-cluster.json), over gRPC without a Prometheus.
 
 Each verifier keeps a `VerifierFigures` (fed from the same hooks as its metrics) and sends
-`snapshot()` with its stats to the StatsBoard every second; the Router turns the board's
+`snapshot()` with its stats to the StatsBoard twice a second; the Router turns the board's
 latest snapshot of every replica into the cluster-wide map with `cluster_metrics`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 
 RECENT = 256  # latency samples kept per replica: GetStats percentiles cover recent requests
+REPORT_S = 0.5      # a verifier pushes its stats this often
+FRESH_S = 2.0       # GetStats shows replicas heard from within this: a dead one leaves it in 2 s
+KEEP_S = 10.0       # readiness and the replica count wait longer: a loaded host delays reports
+DRAFTING_S = 5.0    # a replica "speculates" while its draft count rose within this
+
+log = logging.getLogger(__name__)
 
 
 class VerifierFigures:
@@ -64,7 +74,7 @@ def cluster_metrics(replicas: dict[str, dict], inflight: int) -> dict[str, float
     out = {"inflight": inflight, "verifier_replicas": len(reps), "drafted": drafted, "accepted": accepted,
            "acceptance_rate": accepted / drafted if drafted else 0.0,
            "mean_gamma": sum(s.get("gamma", 0) for s in reps) / len(reps) if reps else 0.0,
-           "speculating_replicas": sum(1 for s in reps if s.get("gamma", 0) > 0),
+           "speculating_replicas": sum(1 for s in reps if s.get("drafting", 0)),  # drafted lately
            "running": total("running"), "waiting": total("waiting"), "verify_tokens": total("verify_tokens"),
            "prefix_hit_rate": hits / queries if queries else 0.0,
            # the replicas' paged KV pools, in blocks (each replica's own block_size), and the
@@ -87,3 +97,41 @@ def cluster_metrics(replicas: dict[str, dict], inflight: int) -> dict[str, float
     if up:  # absent when no replica publishes to a directory
         out["kvdir_available"] = float(min(up))
     return out
+
+
+class BoardView:
+    """A router's copy of the StatsBoard, refreshed every REPORT_S by one call that also
+    pushes the router's in-flight count. GetStats and health checks read the copy: under a
+    burst they never wait on the board, nor the board on one push per request."""
+
+    def __init__(self, board, router_id: str, inflight: Callable[[], int]):
+        self.board, self.router_id, self.inflight = board, router_id, inflight
+        self.replicas: dict[str, tuple[float, dict]] = {}  # id -> (when last reported, local clock)
+        self.total_inflight = 0
+        self.task: asyncio.Task | None = None
+        self.first = asyncio.Event()
+
+    async def _refresh(self) -> None:
+        while True:
+            try:
+                view = await self.board.exchange.remote(self.router_id, self.inflight())
+                now = time.monotonic()
+                self.replicas = {k: (now - age, s) for k, (age, s) in view["replicas"].items()}
+                self.total_inflight = view["inflight"]
+                self.first.set()
+            except Exception as e:  # noqa: BLE001 - the board is advice; keep the last copy
+                log.debug("stats board exchange failed: %s", e)
+            await asyncio.sleep(REPORT_S)
+
+    async def snapshot(self, max_age_s: float = FRESH_S) -> dict:
+        """{"replicas": {id: stats}, "inflight": n}: replicas heard from within max_age_s."""
+        if self.task is None:  # started on first use: Serve builds the router outside its loop
+            self.task = asyncio.get_running_loop().create_task(self._refresh())
+        if not self.first.is_set():
+            try:
+                await asyncio.wait_for(self.first.wait(), timeout=5.0)
+            except asyncio.TimeoutError:
+                pass
+        now = time.monotonic()
+        return {"replicas": {k: s for k, (t, s) in self.replicas.items() if now - t <= max_age_s},
+                "inflight": self.total_inflight}

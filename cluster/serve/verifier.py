@@ -21,7 +21,7 @@ from cluster.engine.scheduler import QueueFull
 from cluster.policy.autoscaling import VerifyLoadMeter
 from cluster.serve.calls import ErrorKind, ErrorOutput, GenerateCall
 from cluster.serve.metrics import VerifierMetrics
-from cluster.serve.stats import VerifierFigures
+from cluster.serve.stats import DRAFTING_S, FRESH_S, KEEP_S, REPORT_S, VerifierFigures
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class Verifier:
         self.loop = EngineLoop(self.engine, on_idle=self._flush if self.remotes else None)
         self.publisher = self._make_publisher(cfg)
         self.board = board
+        self.drafted_at = (0, float("-inf"))  # the draft count, and when it last rose
         if board is not None:
             threading.Thread(target=self._report, name="stats-report", daemon=True).start()
         log.info("verifier %s ready: backend=%s placement=%s", self.replica_id, self.engine.backend, cfg.placement)
@@ -138,6 +139,9 @@ class Verifier:
                  verify_tokens=int(self.load.report("stats").get("verify_tokens", 0.0)), **self.figures.snapshot())
         if self.publisher is not None:
             s["kvdir_available"] = 1 if self.publisher.directory.available else 0
+        if s.get("drafted", 0) > self.drafted_at[0]:
+            self.drafted_at = (s["drafted"], time.monotonic())
+        s["drafting"] = int(time.monotonic() - self.drafted_at[1] < DRAFTING_S)
         return s
 
     def model_info(self) -> dict:
@@ -176,7 +180,7 @@ class Verifier:
                     self.engine.controller.set_num_verifier_replicas(max(1, replicas))
             except Exception as e:  # the board is advice; never let it hurt serving
                 log.debug("stats report failed: %s", e)
-            time.sleep(1.0)
+            time.sleep(REPORT_S)
 
     async def __del__(self):
         """Serve awaits this on clean shutdown: drop our directory entries now, not a TTL later."""
@@ -192,10 +196,12 @@ class Verifier:
             await self.publisher.directory.close()
 
 
-@serve.deployment(name="StatsBoard", num_replicas=1, ray_actor_options={"num_cpus": 0})
+# quick calls that never block: no cap worth queueing the routers' and verifiers' calls behind
+@serve.deployment(name="StatsBoard", num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
 class StatsBoard:
     """Latest stats of each verifier and in-flight counts of each router (for GetStats and
-    the controller's cluster concurrency signal). Entries older than 10 s are dropped."""
+    the controller's cluster concurrency signal). Entries older than KEEP_S are dropped;
+    GetStats shows only those of the last FRESH_S: a replica that died leaves it within 2 s."""
 
     def __init__(self):
         self.replicas: dict[str, tuple[float, dict]] = {}
@@ -203,7 +209,7 @@ class StatsBoard:
 
     def _live(self, table: dict) -> dict:
         now = time.monotonic()
-        for k in [k for k, (t, _) in table.items() if now - t > 10]:
+        for k in [k for k, (t, _) in table.items() if now - t > KEEP_S]:
             table.pop(k)
         return table
 
@@ -211,9 +217,15 @@ class StatsBoard:
         self.replicas[replica] = (time.monotonic(), stats)
         return sum(n for _, n in self._live(self.routers).values()), len(self._live(self.replicas))
 
-    def router_inflight(self, router: str, n: int) -> None:
-        self.routers[router] = (time.monotonic(), n)
+    def exchange(self, router: str, n: int) -> dict:
+        """A router's periodic call: its in-flight count in; every replica's latest stats with
+        their age in seconds, and the cluster's in-flight count, out."""
+        now = time.monotonic()
+        self.routers[router] = (now, n)
+        return {"replicas": {k: (now - t, s) for k, (t, s) in self._live(self.replicas).items()},
+                "inflight": sum(n for _, n in self._live(self.routers).values())}
 
-    def snapshot(self) -> dict:
-        return {"replicas": {k: s for k, (_, s) in self._live(self.replicas).items()},
+    def snapshot(self, max_age_s: float = FRESH_S) -> dict:
+        now = time.monotonic()
+        return {"replicas": {k: s for k, (t, s) in self._live(self.replicas).items() if now - t <= max_age_s},
                 "inflight": sum(n for _, n in self._live(self.routers).values())}

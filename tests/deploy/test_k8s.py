@@ -25,6 +25,8 @@ K8S = REPO / "k8s"
 KUSTOMIZATIONS = ["base", "overlays/dev", "overlays/hopper", "overlays/hopper-70b"]
 SECRET = {"name": "spec-cluster-redis", "key": "password"}
 KUBECTL = shutil.which("kubectl")
+# what cluster.deploy_config's k8s targets set: proxies on every interface, drafters on the node IP
+K8S_NETWORK = {"network": {"host": "0.0.0.0", "drafter_host": "node"}}
 
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is needed to render the KubeRay overlays")
 
@@ -131,7 +133,8 @@ def test_cpu_serve_config_v2_is_deploy_serve_config_with_redis(name):
     v2 = serve_config_v2(one(render(name), "RayService"))
     # the in-cluster Redis, and proxies bound to every interface (a VM's serve config keeps loopback)
     assert differing(v2, deploy_serve_config()) == {"/applications/0/args/cluster/kvdir/url", "/http_options/host",
-                                                    "/applications/0/args/cluster/network/host"}
+                                                    "/applications/0/args/cluster/network/host",
+                                                    "/applications/0/args/cluster/network/drafter_host"}
     assert v2["applications"][0]["args"]["cluster"]["kvdir"]["url"] == "redis://redis:6379/0"
     assert v2["http_options"]["host"] == "0.0.0.0" and deploy_serve_config()["http_options"]["host"] == "127.0.0.1"
 
@@ -140,7 +143,7 @@ def test_hopper_serve_config_v2_differs_only_in_cluster_and_sizes():
     from cluster.deploy_config import render as generate
 
     v2 = serve_config_v2(one(render("overlays/hopper"), "RayService"))
-    assert v2 == yaml.safe_load(generate("configs/hopper.yaml", overrides={"network": {"host": "0.0.0.0"}}))
+    assert v2 == yaml.safe_load(generate("configs/hopper.yaml", overrides=K8S_NETWORK))
     allowed = ("/applications/0/args/cluster/", "/applications/0/deployments/", "/http_options/host")
     assert all(p.startswith(allowed) for p in differing(v2, deploy_serve_config()))
     app = v2["applications"][0]
@@ -220,7 +223,7 @@ def test_hopper_70b_pods_hold_the_gpus_of_one_verifier_replica():
 
     rs = one(render("overlays/hopper-70b"), "RayService")
     v2 = serve_config_v2(rs)
-    assert v2 == yaml.safe_load(generate("configs/hopper-70b.yaml", overrides={"network": {"host": "0.0.0.0"}}))
+    assert v2 == yaml.safe_load(generate("configs/hopper-70b.yaml", overrides=K8S_NETWORK))
     cluster = v2["applications"][0]["args"]["cluster"]
     tp = cluster["engine"]["tensor_parallel_size"]
     assert tp == 8 and cluster["engine"]["kv_cache_gb"]  # required per rank on GPUs (cluster/engine/memory.py)

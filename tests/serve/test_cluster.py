@@ -19,6 +19,7 @@ from cluster.engine.sequence import SpecParams
 from cluster.serve.build import build_engine
 from tests.conftest import HOPPER
 from tests.serve.chaos import run_concurrently, wait_until
+from tests.serve.test_listen import listening
 
 PROMPTS = ["import os\nimport sys\n\ndef main(", "class Config:\n    def __init__(self", "for i in range(",
            "    return self._"]
@@ -127,8 +128,12 @@ def test_placement(app, ray_cluster):
     hopper_nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"] and HOPPER in n["Resources"]}
     assert _verifier_stats(name)["node_id"] in hopper_nodes
     if placement == "disaggregated":
-        info = serve.get_deployment_handle("Drafter", name).info.remote().result()
-        assert info["node_id"] not in hopper_nodes
+        drafter = serve.get_deployment_handle("Drafter", name)
+        assert drafter.info.remote().result()["node_id"] not in hopper_nodes
+        # network.drafter_host auto: the test's Ray nodes share one host, so loopback only
+        endpoint = drafter.endpoint.remote().result()
+        assert endpoint.startswith("tcp://127.0.0.1:"), endpoint
+        assert listening(int(endpoint.rsplit(":", 1)[1])) == {"0100007F"}
 
 
 def _wait_idle(name, timeout=20.0):

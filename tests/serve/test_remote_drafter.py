@@ -5,6 +5,7 @@ address) is found again through the handle after the back-off."""
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -327,3 +328,29 @@ def test_eagle3_in_its_own_replica_ships_new_aux_states_only(demo_pair):
               f"(fp32, A={A}); {remote.client.sent_bytes} request bytes in {len(seen)} calls")
     finally:
         server.stop()
+
+
+def test_a_hung_replica_costs_a_fraction_of_the_timeout():
+    """A replica that stops answering but keeps its socket open (a hung process): the call
+    is given up after a few times the slowest recent call, not the 5 s timeout."""
+    hang = threading.Event()
+
+    class Hanging(Replica):
+        def propose(self, requests, starts, release, caller):
+            if hang.is_set():
+                time.sleep(3)
+            return super().propose(requests, starts, release, caller)
+
+    replica = Hanging(draft_output())
+    try:
+        d = RemoteDrafter(EndpointHandle(replica), timeout_s=5.0, caller="v")
+        for _ in range(10):
+            assert d.propose([draft_request()]).tokens == [[1, 2]]
+        assert d.wait_s() < 1.0  # loopback calls take milliseconds
+        hang.set()
+        t = time.monotonic()
+        with pytest.raises(Exception, match="did not answer"):
+            d.propose([draft_request()])
+        assert time.monotonic() - t < 1.0 and d.down
+    finally:
+        replica.server.stop()
