@@ -19,11 +19,14 @@ from cluster.policy.config import SpeculationPolicyConfig, describe_error, load_
 DEMO_DIR = Path(__file__).parent / "models" / "demo"
 ALIASES = {"demo-target": DEMO_DIR / "target", "demo-draft": DEMO_DIR / "draft",
            # the demo pair embedded in Llama-3.1-8B dimensions (cluster/engine/embedded.py): 8B cost, demo acceptance
-           "demo-8b-target": DEMO_DIR.parent / "demo-8b" / "target", "demo-8b-draft": DEMO_DIR.parent / "demo-8b" / "draft"}
+           "demo-8b-target": DEMO_DIR.parent / "demo-8b" / "target", "demo-8b-draft": DEMO_DIR.parent / "demo-8b" / "draft",
+           # the demo target in Llama-3.1-70B dimensions, for tensor-parallel runs (draft: demo-8b-draft)
+           "demo-70b-target": DEMO_DIR.parent / "demo-70b" / "target"}
 
 
 def resolve_model_path(name: str) -> str:
-    """'demo-target' / 'demo-draft' (and 'demo-8b-*') name the bundled pair; anything else is a directory."""
+    """'demo-target' / 'demo-draft' (and 'demo-8b-*', 'demo-70b-target') name the bundled pair;
+    anything else is a directory."""
     return str(ALIASES.get(name, Path(name)))
 
 

@@ -13,7 +13,7 @@ come from building the application and reading back each deployment's options, a
 The autoscaling file is folded into those entries and dropped from the inline config.
 
 The KubeRay form is a JSON6902 patch that sets a RayService's `spec.serveConfigV2` to the
-same document (k8s/base and k8s/overlays/hopper apply them with kustomize).
+same document (k8s/base, k8s/overlays/hopper and hopper-70b apply them with kustomize).
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ TARGETS = (
     # configs/hopper.yaml names its Redis itself (in-cluster or external).
     Target("k8s/overlays/hopper/serve-config-v2.yaml", "configs/hopper.yaml", "kuberay",
            {"network": {"host": "0.0.0.0", "drafter_host": "node"}}),
+    Target("k8s/overlays/hopper-70b/serve-config-v2.yaml", "configs/hopper-70b.yaml", "kuberay",
+           {"network": {"host": "0.0.0.0", "drafter_host": "node"}}),
 )
 
 
@@ -76,8 +78,9 @@ def _tidy(value):
 
 
 def deployment_entries(cfg: ClusterConfig) -> list[dict]:
-    """Replicas or autoscaling, max_ongoing_requests and ray_actor_options of each sized
-    deployment, read back from the application the code builds for `cfg`."""
+    """Replicas or autoscaling, max_ongoing_requests, ray_actor_options and any placement
+    group (tensor-parallel verifiers) of each sized deployment, read back from the
+    application the code builds for `cfg`."""
     from ray.serve._private.build_app import build_app as serve_build
     from ray.serve.deployment import deployment_to_schema
 
@@ -91,13 +94,17 @@ def deployment_entries(cfg: ClusterConfig) -> list[dict]:
             continue
         d = by_name[name]
         entry: dict = {"name": name}
-        autoscaling = deployment_to_schema(d).model_dump(exclude_unset=True).get("autoscaling_config")
+        schema = deployment_to_schema(d).model_dump(exclude_unset=True)
+        autoscaling = schema.get("autoscaling_config")
         if autoscaling:
             entry["autoscaling_config"] = autoscaling
         else:
             entry["num_replicas"] = d.num_replicas
         entry["max_ongoing_requests"] = d.max_ongoing_requests
         entry["ray_actor_options"] = dict(d.ray_actor_options or {})
+        for key in ("placement_group_bundles", "placement_group_strategy"):  # tensor-parallel verifiers
+            if schema.get(key):
+                entry[key] = schema[key]
         entries.append(_tidy(entry))
     return entries
 

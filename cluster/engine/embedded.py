@@ -27,8 +27,10 @@ How the function survives (x real dims = the small model's, every other dim held
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import LlamaConfig
 
 from cluster.engine.model import CausalLM, ModelShape, Rotary, load_hf_model
@@ -82,81 +84,194 @@ def _place(w_big: torch.Tensor, w_small: torch.Tensor, rows: torch.Tensor, cols:
     w_big[rows[:, None], cols[None, :]] = w_small.to(w_big.dtype)
 
 
-@torch.no_grad()
-def embed_llama(small: CausalLM, big: dict, device="cuda", dtype=torch.bfloat16, seed: int = 0) -> CausalLM:
-    """`small` (loaded in fp32) inside a model of shape `big` (LlamaConfig fields); rotary
-    settings come from the small model (they set frequencies, not cost)."""
+@dataclass
+class _Plan:
+    """Where the small model's weights go in the large shape (see the module docstring)."""
+    s: ModelShape
+    b: ModelShape
+    sp: dict          # the small model's weights, fp32, on the device
+    dtype: torch.dtype
+    device: object
+
+    def __post_init__(self):
+        s, b, dev = self.s, self.b, self.device
+        self.qkv_rows, self.attn_cols, self.q_scale = _maps(s, b, dev)
+        self.hid = torch.arange(s.hidden, device=dev)
+        self.inter = torch.arange(s.intermediate, device=dev)
+        self.gate_up_rows = torch.cat([self.inter, b.intermediate + self.inter])
+        self.const = s.hidden
+        self.norm_scale = math.sqrt(s.hidden / b.hidden)
+        self.real_layers = torch.linspace(0, b.layers - 1, s.layers).round().long().tolist()
+
+
+def _plan(small: CausalLM, big: dict, device, dtype) -> tuple[LlamaConfig, _Plan]:
     s = small.shape
     if s.qkv_bias:
         raise ValueError("qkv bias is not supported here")
     rope = {k: v for k, v in small.config.to_dict().items() if k.startswith("rope")}
     cfg = LlamaConfig(**{**big, **rope, "rms_norm_eps": s.eps * s.hidden / big["hidden_size"],
                          "tie_word_embeddings": False})
-    model = random_model(cfg, device, dtype, seed)
-    b = model.shape
-    qkv_rows, attn_cols, q_scale = _maps(s, b, device)
-    hid = torch.arange(s.hidden, device=device)
-    inter = torch.arange(s.intermediate, device=device)
-    gate_up_rows = torch.cat([inter, b.intermediate + inter])
-    const = s.hidden
-    norm_scale = math.sqrt(s.hidden / b.hidden)
-    real_layers = torch.linspace(0, b.layers - 1, s.layers).round().long().tolist()
     sp = {k: v.float().to(device) for k, v in small.state_dict().items()}
-    for i, layer in enumerate(model.layers):
-        at, mlp = layer.self_attn, layer.mlp
-        if i not in real_layers:  # compute on random weights, add nothing
-            at.o_proj.weight.zero_()
-            mlp.down_proj.weight.zero_()
-            continue
-        p = f"layers.{real_layers.index(i)}."
-        qkv = sp[p + "self_attn.qkv_proj.weight"].clone()
-        qkv[: s.heads * s.head_dim] *= q_scale
-        _place(at.qkv_proj.weight, qkv, qkv_rows, hid, const)
-        at.o_proj.weight.zero_()  # q heads beside a real one read its values: their output is not 0
-        _place(at.o_proj.weight, sp[p + "self_attn.o_proj.weight"], hid, attn_cols, None)
-        _place(mlp.gate_up_proj.weight, sp[p + "mlp.gate_up_proj.weight"], gate_up_rows, hid, const)
-        _place(mlp.down_proj.weight, sp[p + "mlp.down_proj.weight"], hid, inter, None)
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            w = getattr(layer, name).weight
-            w[hid] = sp[p + name + ".weight"].to(dtype) * norm_scale
-            w[const] = 0
-    model.norm.weight[hid] = sp["norm.weight"].to(dtype) * norm_scale
-    model.norm.weight[const] = FINAL_SCALE
-    vocab = torch.arange(s.vocab_size, device=device)
-    emb = model.embed_tokens.weight
+    return cfg, _Plan(s, ModelShape.from_hf(cfg), sp, dtype, device)
+
+
+def _embed_layer(pl: _Plan, i: int, layer) -> None:
+    """Layer i of the large model (a full-size Layer holding random weights), in place."""
+    s, sp, hid, const = pl.s, pl.sp, pl.hid, pl.const
+    at, mlp = layer.self_attn, layer.mlp
+    if i not in pl.real_layers:  # compute on random weights, add nothing
+        at.o_proj.weight.zero_()
+        mlp.down_proj.weight.zero_()
+        return
+    p = f"layers.{pl.real_layers.index(i)}."
+    qkv = sp[p + "self_attn.qkv_proj.weight"].clone()
+    qkv[: s.heads * s.head_dim] *= pl.q_scale
+    _place(at.qkv_proj.weight, qkv, pl.qkv_rows, hid, const)
+    at.o_proj.weight.zero_()  # q heads beside a real one read its values: their output is not 0
+    _place(at.o_proj.weight, sp[p + "self_attn.o_proj.weight"], hid, pl.attn_cols, None)
+    _place(mlp.gate_up_proj.weight, sp[p + "mlp.gate_up_proj.weight"], pl.gate_up_rows, hid, const)
+    _place(mlp.down_proj.weight, sp[p + "mlp.down_proj.weight"], hid, pl.inter, None)
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        w = getattr(layer, name).weight
+        w[hid] = sp[p + name + ".weight"].to(pl.dtype) * pl.norm_scale
+        w[const] = 0
+
+
+def _embed_ends(pl: _Plan, emb: torch.Tensor, head: torch.Tensor, norm: torch.Tensor) -> None:
+    """The embedding, LM head and final norm of the large model (full size), in place."""
+    s, sp, hid, const, dtype = pl.s, pl.sp, pl.hid, pl.const, pl.dtype
+    norm[hid] = sp["norm.weight"].to(dtype) * pl.norm_scale
+    norm[const] = FINAL_SCALE
+    vocab = torch.arange(s.vocab_size, device=pl.device)
     emb[vocab] = 0
     emb[vocab[:, None], hid[None, :]] = sp["embed_tokens.weight"].to(dtype)
     emb[vocab, const] = A
-    head = model.lm_head.weight
     head[:, hid] = 0  # padded tokens: nothing from real dims ...
     head[:, const] = -PAD_LOGIT  # ... and a large negative logit
     head[vocab[:, None], hid[None, :]] = sp["lm_head.weight"].to(dtype)
     head[vocab, const] = 0
+
+
+def _full_layer(pl: _Plan, i: int, seed: int):
+    """Layer i of the large model at full size: random weights (seeded by layer, so every
+    rank builds the same), then the small model's layer placed in it."""
+    from cluster.engine.model import Layer
+
+    g = torch.Generator(device=pl.device).manual_seed(seed * 100_003 + i)
+    with torch.device("meta"):
+        layer = Layer(pl.b)
+    layer = layer.to(pl.dtype).to_empty(device=pl.device)
+    for name, w in layer.named_parameters():
+        w.fill_(1.0) if "norm" in name else w.normal_(0, 0.02, generator=g)
+    _embed_layer(pl, i, layer)
+    return layer
+
+
+def _full_ends(pl: _Plan, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(embedding, LM head, final norm) of the large model at full size."""
+    b = pl.b
+    g = torch.Generator(device=pl.device).manual_seed(seed * 100_003 + b.layers)
+    emb = torch.empty(b.vocab_size, b.hidden, device=pl.device, dtype=pl.dtype).normal_(0, 0.02, generator=g)
+    head = torch.empty_like(emb).normal_(0, 0.02, generator=g)
+    norm = torch.ones(b.hidden, device=pl.device, dtype=pl.dtype)
+    _embed_ends(pl, emb, head, norm)
+    return emb, head, norm
+
+
+def _finish(model: CausalLM, cfg: LlamaConfig, pl: _Plan) -> CausalLM:
+    model.rotary = Rotary(cfg, pl.b.max_positions).to(pl.device)  # buffers were on meta
+    model.config = cfg
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"embedded model: weights missing for {missing[:4]}")
     return model.eval()
+
+
+@torch.no_grad()
+def embed_llama(small: CausalLM, big: dict, device="cuda", dtype=torch.bfloat16, seed: int = 0) -> CausalLM:
+    """`small` (loaded in fp32) inside a model of shape `big` (LlamaConfig fields); rotary
+    settings come from the small model (they set frequencies, not cost)."""
+    cfg, pl = _plan(small, big, device, dtype)
+    with torch.device("meta"):
+        model = CausalLM(pl.b, cfg)
+    for i in range(pl.b.layers):
+        model.layers[i] = _full_layer(pl, i, seed)
+    emb, head, norm = _full_ends(pl, seed)
+    model.embed_tokens.weight, model.lm_head.weight, model.norm.weight = (nn.Parameter(t) for t in (emb, head, norm))
+    return _finish(model, cfg, pl)
+
+
+def hf_layer_weights(layer, b: ModelShape) -> dict[str, torch.Tensor]:
+    """A full-size layer's weights under their Hugging Face names (q/k/v and gate/up apart),
+    which is what cluster.engine.sharding cuts."""
+    q, kv = b.heads * b.head_dim, b.kv_heads * b.head_dim
+    qkv, gate_up = layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight
+    return {"self_attn.q_proj.weight": qkv[:q], "self_attn.k_proj.weight": qkv[q:q + kv],
+            "self_attn.v_proj.weight": qkv[q + kv:], "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
+            "mlp.gate_proj.weight": gate_up[:b.intermediate], "mlp.up_proj.weight": gate_up[b.intermediate:],
+            "mlp.down_proj.weight": layer.mlp.down_proj.weight,
+            "input_layernorm.weight": layer.input_layernorm.weight,
+            "post_attention_layernorm.weight": layer.post_attention_layernorm.weight}
+
+
+@torch.no_grad()
+def embed_llama_shard(small: CausalLM, big: dict, device, dtype, seed: int, group) -> CausalLM:
+    """Tensor-parallel rank `group.rank`'s part of embed_llama's model (the same weights): each
+    full-size piece is built one at a time (a layer, then the embedding and head), cut to this
+    rank's slice as a checkpoint's would be (cluster.engine.sharding) and dropped, so no rank
+    holds the whole model (a 70B layer is 1.7 GB in bf16; the model, 141 GB)."""
+    from cluster.engine.model import _fuse
+    from cluster.engine.sharding import take, weight_slice
+
+    cfg, pl = _plan(small, big, device, dtype)
+    b, state = pl.b, {}
+
+    def keep(name: str, t: torch.Tensor) -> None:
+        state[name] = take(t, list(t.shape), weight_slice(name, b, group.rank, group.size)).clone()
+
+    for i in range(b.layers):
+        for name, t in hf_layer_weights(_full_layer(pl, i, seed), b).items():
+            keep(f"model.layers.{i}.{name}", t)
+    for name, t in zip(("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"), _full_ends(pl, seed)):
+        keep(name, t)
+    with torch.device("meta"):
+        model = CausalLM(b, cfg, group)
+    model.load_state_dict(_fuse(state, model.shape), strict=False, assign=True)
+    return _finish(model, cfg, pl)
 
 
 LLAMA_8B_DRAFT = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=64, intermediate_size=384)
 
 
-SHAPES = {"llama-3.1-8b": lambda: _llama_8b(), "llama-3.1-8b-draft": lambda: {**_llama_8b(), **LLAMA_8B_DRAFT}}
+# Llama-3.1-70B (and 3.3-70B): the 8B's vocabulary and rotary, twice the width, 80 layers, 8 q
+# heads per KV head; the demo target fits it as it fits the 8B (a KV head's 2 q heads, head dim
+# 32 -> 128). A pair with demo-8b-draft (the same 128k vocabulary) for the multi-GPU runs.
+LLAMA_70B = {**LLAMA_8B, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+             "intermediate_size": 28672}
+
+SHAPES = {"llama-3.1-8b": lambda: _llama_8b(), "llama-3.1-8b-draft": lambda: {**_llama_8b(), **LLAMA_8B_DRAFT},
+          "llama-3.1-70b": lambda: dict(LLAMA_70B)}
 
 
 def _llama_8b() -> dict:
     return dict(LLAMA_8B)
 
 
-def load_embedded(path, dtype, device) -> CausalLM:
+def load_embedded(path, dtype, device, group=None) -> CausalLM:
     """A model directory holding embed.json: {"source": small model dir (relative to it),
-    "shape": a name in SHAPES or LlamaConfig fields, "seed": for the padding's random values}."""
+    "shape": a name in SHAPES or LlamaConfig fields, "overrides": LlamaConfig fields over the
+    named shape (a test's fewer layers), "seed": for the padding's random values}."""
     import json
     from pathlib import Path
 
     path = Path(path)
     spec = json.loads((path / "embed.json").read_text())
     shape = spec["shape"]
-    big = SHAPES[shape]() if isinstance(shape, str) else shape
+    big = {**(SHAPES[shape]() if isinstance(shape, str) else shape), **spec.get("overrides", {})}
     small = load_hf_model((path / spec["source"]).resolve(), torch.float32, "cpu")
+    if group is not None:  # a tensor-parallel rank's part only
+        return embed_llama_shard(small, big, device, dtype, spec.get("seed", 0), group)
     return embed_llama(small, big, device, dtype, spec.get("seed", 0))
 
 

@@ -17,9 +17,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str,
     (cluster.engine.parallel), this tensor-parallel rank's part only."""
     path = Path(path)
     if (path / "embed.json").is_file():
-        if group is not None:
-            raise NotImplementedError("embedded models are not sharded for tensor parallelism yet")
-        return load_embedded(path, dtype, device)
+        return load_embedded(path, dtype, device, group)
     return load_hf_model(path, dtype, device, group)
 
 

@@ -61,14 +61,18 @@ class Group:
 
 
 def free_port() -> int:
+    """A port free on every interface: rank 0's rendezvous listens on all of them."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
 
 
 def rank_device(device: str, rank: int) -> torch.device:
-    """A rank's device: cuda:<rank> for the GPUs of one node, cpu as it is."""
-    return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device(device)
+    """A rank's device: cuda:<rank> where the process sees the node's GPUs (spawned ranks),
+    cuda:0 where it sees only its own (Ray sets CUDA_VISIBLE_DEVICES per actor); cpu as it is."""
+    if device != "cuda":
+        return torch.device(device)
+    return torch.device(f"cuda:{rank % torch.cuda.device_count()}")
 
 
 def init_group(rank: int, size: int, addr: str, port: int, device: str, step_timeout_s: float) -> Group:

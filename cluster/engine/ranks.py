@@ -17,6 +17,7 @@ RankFailure and the replica goes down, rather than serving from a broken group.
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import contextmanager
 
 import torch
@@ -32,6 +33,7 @@ STOP, FORWARD = 0, 1
 META = 8      # op, rows B, width T, table updates U, max_kv, real-token index length (-1: all), last_only, layers
 SETUP = 4     # blocks, block_size, max_rows, max_tokens
 STEP_TIMEOUT_S = 120.0
+DEATH_WAIT_S = 2.0  # after a failed collective, how long rank 0 looks for the follower that died
 
 
 def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens: list[list[int]],
@@ -116,23 +118,51 @@ class ParallelRunner(Runner):
         try:
             yield
         except (RuntimeError, dist.DistError) as e:
-            dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.group.procs, 1) if not p.is_alive()]
-            if not dead and not isinstance(e, dist.DistError) and "gloo" not in str(e).lower():
+            collective = isinstance(e, dist.DistError) or "gloo" in str(e).lower()
+            # a peer's closed socket can reach us before its death is seen: wait a moment to name it
+            dead = self._dead(wait_s=DEATH_WAIT_S if collective else 0.0)
+            if not dead and not collective:
                 raise  # not the group's failure
             raise RankFailure(f"tensor-parallel group of {self.group.size} failed"
                               f"{': ' + ', '.join(dead) + ' gone' if dead else ''} ({e})") from e
 
+    def _dead(self, wait_s: float) -> list[str]:
+        """The followers that have ended, waiting up to wait_s for one to be seen."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.group.procs, 1)
+                    if not p.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.02)
 
-def start_ranks(target: str, cfg, step_timeout_s: float = STEP_TIMEOUT_S) -> Group:
-    """Spawn ranks 1..N-1 of `cfg.tensor_parallel_size` for the target model directory and
-    join them as rank 0 (this process), on one host."""
+
+def spawn(rank: int, size: int, addr: str, port: int, target: str, cfg, step_timeout_s: float):
+    """The launcher without Ray (`generate --local`, tests): a spawned child process of this
+    one. A launcher returns a handle with multiprocessing.Process's pid, is_alive(),
+    exitcode, join(timeout) and terminate(); under Serve the followers are Ray actors in
+    the replica's placement group instead (cluster.serve.followers)."""
     ctx = torch.multiprocessing.get_context("spawn")
+    p = ctx.Process(target=follow, args=(rank, size, port, target, cfg, step_timeout_s, addr),
+                    name=f"tp-rank-{rank}", daemon=True)
+    p.start()
+    return p
+
+
+def start_ranks(target: str, cfg, step_timeout_s: float = STEP_TIMEOUT_S, launch=spawn,
+                addr: str = "127.0.0.1") -> Group:
+    """Start ranks 1..N-1 of `cfg.tensor_parallel_size` for the target model directory with
+    `launch` and join them as rank 0 (this process). `addr`: this host's address as the
+    followers reach it (the rendezvous listens on every interface)."""
+    size = cfg.tensor_parallel_size
     port = free_port()
-    procs = [ctx.Process(target=follow, args=(r, cfg.tensor_parallel_size, port, str(target), cfg, step_timeout_s),
-                         name=f"tp-rank-{r}", daemon=True) for r in range(1, cfg.tensor_parallel_size)]
-    for p in procs:
-        p.start()
-    group = init_group(0, cfg.tensor_parallel_size, "127.0.0.1", port, cfg.device, step_timeout_s)
+    procs = [launch(r, size, addr, port, str(target), cfg, step_timeout_s) for r in range(1, size)]
+    try:
+        group = init_group(0, size, addr, port, cfg.device, step_timeout_s)
+    except BaseException:
+        for p in procs:
+            p.terminate()
+        raise
     group.procs = procs
     return group
 

@@ -105,16 +105,19 @@ def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
     return drafter
 
 
-def build_engine(cfg: ClusterConfig, remote: Drafter | dict[str, Drafter] | None = None) -> Engine:
+def build_engine(cfg: ClusterConfig, remote: Drafter | dict[str, Drafter] | None = None,
+                 start=start_ranks) -> Engine:
     """The target engine and every drafter the config allows (see the module docstring);
-    `remote`: drafters in Drafter replicas (by name), built here for the others."""
+    `remote`: drafters in Drafter replicas (by name), built here for the others; `start`:
+    how tensor-parallel ranks start (child processes; a Verifier replica passes
+    cluster.serve.followers.start_followers)."""
     from cluster.policy.controller import make_controller
 
     ec = cfg.engine_config()
     remote = {remote.name: remote} if isinstance(remote, Drafter) else dict(remote or {})
     target = resolve_model_path(cfg.models.target)
     # tensor-parallel: this process is rank 0 and starts the others (cluster.engine.ranks)
-    group = start_ranks(str(target), ec) if ec.tensor_parallel_size > 1 else None
+    group = start(str(target), ec) if ec.tensor_parallel_size > 1 else None
     model = load_model(target, DTYPES[ec.dtype], ec.device if group is None else group.device, group)
     drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
     if cfg.models.draft:

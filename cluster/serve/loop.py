@@ -12,6 +12,7 @@ import threading
 import traceback
 
 from cluster.engine.engine import Engine
+from cluster.engine.parallel import RankFailure
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,11 @@ class EngineLoop:
                             self.queues.pop(o.seq_id, None)
             except Exception as e:  # a broken step fails every request in flight, loudly
                 log.error("engine step failed: %s", traceback.format_exc())
+                if isinstance(e, RankFailure):  # the group is gone: no later step can run
+                    self.error = e
                 self._fail_all(e)
+                if self.error is not None:
+                    return
                 continue
             for o, target in targets:
                 if target is not None:

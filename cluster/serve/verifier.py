@@ -15,6 +15,7 @@ import time
 import ray
 from ray import serve
 
+from cluster.engine.parallel import RankFailure
 from cluster.engine.sampling import InvalidRequest
 from cluster.engine.scheduler import QueueFull
 from cluster.policy.autoscaling import VerifyLoadMeter
@@ -23,6 +24,11 @@ from cluster.serve.metrics import VerifierMetrics
 from cluster.serve.stats import DRAFTING_S, FRESH_S, KEEP_S, REPORT_S, VerifierFigures
 
 log = logging.getLogger(__name__)
+
+
+class ReplicaDown(RuntimeError):
+    """This replica can serve nothing more (a tensor-parallel rank died). Raised, not sent as
+    an ErrorOutput, so the router treats the call as broken and resubmits it elsewhere."""
 
 
 @serve.deployment(name="Verifier")
@@ -44,7 +50,12 @@ class Verifier:
         for r in self.remotes.values():
             if not cfg.engine.draft_look_ahead:
                 r.look_ahead = None
-        self.engine = build_engine(cfg, self.remotes)
+        if cfg.engine.tensor_parallel_size > 1:  # ranks 1..N-1 in this replica's placement group
+            from cluster.serve.followers import start_followers
+
+            self.engine = build_engine(cfg, self.remotes, start=start_followers)
+        else:
+            self.engine = build_engine(cfg, self.remotes)
         self.cfg = cfg
         # Three readers (autoscaling, routing stats, GetStats), each with its own window.
         self.load = VerifyLoadMeter(readers=("autoscaling", "routing", "stats"))
@@ -87,6 +98,8 @@ class Verifier:
     async def generate(self, call: GenerateCall):
         if self.publisher is not None:
             self.publisher.start()  # no-op once running
+        if not self.loop.alive:  # the replica is going down (check_health): the router retries elsewhere
+            raise ReplicaDown(f"verifier {self.replica_id} is down: {self.loop.error}")
         try:
             sid, q = self.loop.submit(call.prompt_ids, call.params, call.spec, call.drafter, call.request_id)
         except InvalidRequest as e:
@@ -99,6 +112,8 @@ class Verifier:
         try:
             while not finished:
                 out = await q.get()
+                if isinstance(out, RankFailure):  # as if the replica died: the router fails the call over
+                    raise ReplicaDown(f"verifier {self.replica_id} lost a tensor-parallel rank: {out}")
                 if isinstance(out, Exception):
                     yield ErrorOutput(ErrorKind.INTERNAL, f"verifier step failed: {out}")
                     return
@@ -184,6 +199,8 @@ class Verifier:
         """Serve awaits this on clean shutdown: drop our directory entries now, not a TTL later."""
         if getattr(self, "loop", None):
             self.loop.stop()
+        if getattr(self, "engine", None):
+            self.engine.close()  # tensor-parallel followers: STOP (Ray ends them with the replica anyway)
         if getattr(self, "publisher", None) is not None:
             try:
                 await asyncio.wait_for(self.publisher.stop(), timeout=2.0)

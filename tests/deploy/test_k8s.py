@@ -1,7 +1,8 @@
 """k8s/: each kustomization renders, its RayService passes the KubeRay CRD's v1 schema (with
 the API server's strict unknown-field check), its serveConfigV2 is deploy/serve_config.yaml's
 application up to the intended overlay differences, verifiers land on Hopper GPUs in the
-hopper overlay, and the Redis password only ever comes from a Secret.
+hopper overlay, a tensor-parallel verifier's GPUs are one pod of hopper-70b's verifier group,
+and the Redis password only ever comes from a Secret.
 
 Rendering: the real `kubectl kustomize <dir>` (kubectl's built-in kustomize); without kubectl
 on the PATH every test here is skipped.
@@ -21,9 +22,11 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
-KUSTOMIZATIONS = ["base", "overlays/dev", "overlays/hopper"]
+KUSTOMIZATIONS = ["base", "overlays/dev", "overlays/hopper", "overlays/hopper-70b"]
 SECRET = {"name": "spec-cluster-redis", "key": "password"}
 KUBECTL = shutil.which("kubectl")
+# what cluster.deploy_config's k8s targets set: proxies on every interface, drafters on the node IP
+K8S_NETWORK = {"network": {"host": "0.0.0.0", "drafter_host": "node"}}
 
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is needed to render the KubeRay overlays")
 
@@ -130,7 +133,8 @@ def test_cpu_serve_config_v2_is_deploy_serve_config_with_redis(name):
     v2 = serve_config_v2(one(render(name), "RayService"))
     # the in-cluster Redis, and proxies bound to every interface (a VM's serve config keeps loopback)
     assert differing(v2, deploy_serve_config()) == {"/applications/0/args/cluster/kvdir/url", "/http_options/host",
-                                                    "/applications/0/args/cluster/network/host"}
+                                                    "/applications/0/args/cluster/network/host",
+                                                    "/applications/0/args/cluster/network/drafter_host"}
     assert v2["applications"][0]["args"]["cluster"]["kvdir"]["url"] == "redis://redis:6379/0"
     assert v2["http_options"]["host"] == "0.0.0.0" and deploy_serve_config()["http_options"]["host"] == "127.0.0.1"
 
@@ -139,7 +143,7 @@ def test_hopper_serve_config_v2_differs_only_in_cluster_and_sizes():
     from cluster.deploy_config import render as generate
 
     v2 = serve_config_v2(one(render("overlays/hopper"), "RayService"))
-    assert v2 == yaml.safe_load(generate("configs/hopper.yaml", overrides={"network": {"host": "0.0.0.0"}}))
+    assert v2 == yaml.safe_load(generate("configs/hopper.yaml", overrides=K8S_NETWORK))
     allowed = ("/applications/0/args/cluster/", "/applications/0/deployments/", "/http_options/host")
     assert all(p.startswith(allowed) for p in differing(v2, deploy_serve_config()))
     app = v2["applications"][0]
@@ -209,6 +213,38 @@ def test_hopper_verifiers_only_fit_the_hopper_group():
         claims = [v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v]
         assert claims == ["spec-cluster-models"]
     assert one(render("overlays/hopper"), "PersistentVolumeClaim")["metadata"]["name"] == "spec-cluster-models"
+
+
+def test_hopper_70b_pods_hold_the_gpus_of_one_verifier_replica():
+    """configs/hopper-70b.yaml's verifier is 8 ranks: its placement group (STRICT_PACK, so one
+    node) fits one pod of the verifier group, a pod holds no second one, and no other group
+    holds one at all; drafters and the Router are placed as in the hopper overlay."""
+    from cluster.deploy_config import render as generate
+
+    rs = one(render("overlays/hopper-70b"), "RayService")
+    v2 = serve_config_v2(rs)
+    assert v2 == yaml.safe_load(generate("configs/hopper-70b.yaml", overrides=K8S_NETWORK))
+    cluster = v2["applications"][0]["args"]["cluster"]
+    tp = cluster["engine"]["tensor_parallel_size"]
+    assert tp == 8 and cluster["engine"]["kv_cache_gb"]  # required per rank on GPUs (cluster/engine/memory.py)
+    entries = {d["name"]: d for d in v2["applications"][0]["deployments"]}
+    verifier = entries["Verifier"]
+    bundles = verifier["placement_group_bundles"]
+    assert verifier["placement_group_strategy"] == "STRICT_PACK" and len(bundles) == tp
+    assert all(b["GPU"] == 1 and b["accelerator_type:H100"] for b in bundles)
+    assert fits(demand(verifier["ray_actor_options"]), bundles[0])  # Serve's rule: rank 0 sits in bundle 0
+    replica = {k: sum(b.get(k, 0) for b in bundles) for k in set().union(*bundles)}
+    g = groups(rs)
+    pod = ray_resources(g["verifier"])
+    assert fits(replica, pod) and per_pod(replica, pod) == 1
+    assert g["verifier"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == str(tp)
+    assert g["verifier"]["maxReplicas"] >= verifier["num_replicas"]
+    assert not fits(replica, ray_resources(g["drafter"]))
+    assert fits(demand(entries["Drafter"]["ray_actor_options"]), ray_resources(g["drafter"]))
+    assert fits(demand(entries["Router"]["ray_actor_options"]), ray_resources(g["drafter"]))
+    pvc = one(render("overlays/hopper-70b"), "PersistentVolumeClaim")
+    assert int(pvc["spec"]["resources"]["requests"]["storage"].removesuffix("Gi")) >= 150  # 141 GB of 70B weights
+    assert one(render("overlays/hopper"), "PersistentVolumeClaim")["spec"]["resources"]["requests"]["storage"] == "100Gi"
 
 
 @pytest.mark.parametrize("name", ["base", "overlays/dev"])

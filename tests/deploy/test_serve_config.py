@@ -12,7 +12,7 @@ from cluster import deploy_config
 from cluster.config import load_config, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGS = ["configs/cluster.yaml", "configs/hopper.yaml"]
+CONFIGS = ["configs/cluster.yaml", "configs/hopper.yaml", "configs/hopper-70b.yaml"]
 
 
 def test_committed_files_are_fresh(capsys):
@@ -93,6 +93,26 @@ def test_an_empty_config_gives_a_valid_serve_config():
     doc = deploy_config.serve_config(parse_config({}))
     ServeDeploySchema.model_validate(doc)
     assert parse_config(doc["applications"][0]["args"]["cluster"]).kvdir.url != "embedded"
+
+
+@pytest.mark.parametrize("tp,actor,rank0,follower", [
+    (1, {"num_cpus": 1}, None, None),
+    (2, {"num_cpus": 1}, {"CPU": 1}, {"CPU": 1}),
+    (4, {"num_cpus": 3, "memory": 2**30}, {"CPU": 3, "memory": 2**30}, {"CPU": 1}),
+    (8, {"num_gpus": 1, "num_cpus": 4, "accelerator_type": "H100"},
+     {"CPU": 4, "GPU": 1, "accelerator_type:H100": 0.001}, {"CPU": 1, "GPU": 1, "accelerator_type:H100": 0.001})])
+def test_a_tensor_parallel_verifier_reserves_its_devices_as_one_placement_group(tp, actor, rank0, follower):
+    """N bundles on one node: rank 0's (the replica's own resources: Serve places the replica in
+    bundle 0) and one device's worth per follower; none for one rank. Router and Drafter never."""
+    cfg = parse_config({"engine": {"tensor_parallel_size": tp}, "verifier": {"ray_actor_options": actor}})
+    entries = {d["name"]: d for d in deploy_config.deployment_entries(cfg)}
+    v = entries["Verifier"]
+    if tp == 1:
+        assert "placement_group_bundles" not in v and "placement_group_strategy" not in v
+    else:
+        assert v["placement_group_bundles"] == [rank0] + [follower] * (tp - 1)
+        assert v["placement_group_strategy"] == "STRICT_PACK"
+    assert not any("placement_group_bundles" in entries[n] for n in ("Router", "Drafter"))
 
 
 def test_colocated_placement_has_no_drafter_entry():

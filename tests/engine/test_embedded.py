@@ -3,6 +3,7 @@ large benchmark's acceptance is then the trained pair's, measured at the large s
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cluster.engine.embedded import embed_llama
@@ -76,3 +77,67 @@ def test_embedded_model_directory_uses_its_sources_tokenizer():
     big = load_tokenizer(resolve_model_path("demo-8b-target"))
     assert big.encode(text) == load_tokenizer(resolve_model_path("demo-target")).encode(text)
     assert big.eos_token_id is not None
+
+
+def test_demo_70b_target_is_the_demo_target_in_llama_70b_dimensions():
+    """demo-70b-target (embed.json only) names the Llama-3.1-70B shape over the demo target,
+    with the demo pair's tokenizer; the shape is read, not built (140 GB in bf16)."""
+    import json
+    from pathlib import Path
+
+    from cluster.config import resolve_model_path
+    from cluster.engine.embedded import SHAPES
+    from cluster.engine.loader import load_tokenizer
+
+    path = Path(resolve_model_path("demo-70b-target"))
+    spec = json.loads((path / "embed.json").read_text())
+    assert (path / spec["source"]).resolve() == Path(resolve_model_path("demo-target")).resolve()
+    big = SHAPES[spec["shape"]]()
+    assert (big["hidden_size"], big["num_hidden_layers"], big["num_attention_heads"], big["num_key_value_heads"],
+            big["intermediate_size"], big["vocab_size"]) == (8192, 80, 64, 8, 28672, 128256)
+    text = "def fibonacci(n):\n    return n"
+    assert load_tokenizer(path).encode(text) == load_tokenizer(resolve_model_path("demo-target")).encode(text)
+
+
+def test_demo_70b_construction_keeps_the_demo_logits_at_reduced_size(demo_pair, tmp_path):
+    """The 70B construction (64 q heads over 8 KV heads of 128 dims, the 128k vocabulary)
+    loaded through load_model with fewer layers and a narrower residual stream, so it fits a
+    CPU test: the demo target's logits on its own tokens, padded tokens far below."""
+    import json
+
+    overrides = {"hidden_size": 512, "num_hidden_layers": 7, "intermediate_size": 1024, "head_dim": 128}
+    (tmp_path / "embed.json").write_text(json.dumps({"source": str(demo_pair[0]), "shape": "llama-3.1-70b",
+                                                     "overrides": overrides}))
+    small, big = load_model(demo_pair[0], torch.float32, "cpu"), load_model(tmp_path, torch.float32, "cpu")
+    s = big.shape
+    assert (s.heads, s.kv_heads, s.head_dim, s.vocab_size, s.layers) == (64, 8, 128, 128256, 7)
+    a, b = _logits(small, PROMPT), _logits(big, PROMPT)
+    assert torch.allclose(a, b[:, :4096], atol=1e-4)
+    assert b[:, 4096:].max() < a.min() - 100
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_rank_builds_its_slice_of_the_embedded_model(demo_pair, size):
+    """A tensor-parallel rank's embedded model is exactly its checkpoint slice
+    (cluster.engine.sharding) of the one-process model: a real layer, a padding layer, the
+    vocabulary-split embedding and head (the last slice zero-padded), the replicated norm."""
+    from cluster.engine.embedded import embed_llama_shard, hf_layer_weights
+    from cluster.engine.parallel import Group
+    from cluster.engine.sharding import local_shape, take, weight_slice
+
+    small = load_model(demo_pair[0], torch.float32, "cpu")
+    full = embed_llama(small, BIG, "cpu", torch.float32)
+    b = full.shape
+    ends = {"model.embed_tokens.weight": lambda m: m.embed_tokens.weight, "lm_head.weight": lambda m: m.lm_head.weight,
+            "model.norm.weight": lambda m: m.norm.weight}
+    for rank in range(size):
+        part = embed_llama_shard(small, BIG, "cpu", torch.float32, 0, Group(rank, size, torch.device("cpu")))
+        assert part.shape == local_shape(b, size)
+        for i in (0, 1):  # layer 0 holds a demo layer; layer 1 is padding (9 layers over the demo's 6)
+            mine = hf_layer_weights(part.layers[i], part.shape)
+            for name, t in hf_layer_weights(full.layers[i], b).items():
+                want = take(t, list(t.shape), weight_slice(f"model.layers.{i}.{name}", b, rank, size))
+                assert torch.equal(mine[name], want), (rank, i, name)
+        for name, get in ends.items():
+            t = get(full)
+            assert torch.equal(get(part), take(t, list(t.shape), weight_slice(name, b, rank, size))), (rank, name)

@@ -191,3 +191,33 @@ def test_cli_local_starts_the_ranks_itself(demo_pair, tmp_path):
     one, two = run(1), run(2)
     assert two["token_ids"] == one["token_ids"] and len(two["token_ids"]) == 24
     assert two["spec"]["drafted"] > 0
+
+
+def test_an_embedded_target_splits_like_a_checkpoint(demo_pair, tmp_path):
+    """An embedded target (embed.json: the demo target in a larger shape, here padded to a
+    vocabulary that does not split evenly) over 2 ranks, each building only its slices
+    (cluster.engine.embedded.embed_llama_shard): the one-process greedy tokens, plain and
+    with speculation, through `generate --local`."""
+    target = tmp_path / "embedded"
+    target.mkdir()
+    shape = dict(vocab_size=5001, hidden_size=512, num_hidden_layers=8, num_attention_heads=16,
+                 num_key_value_heads=4, head_dim=64, intermediate_size=1024, max_position_embeddings=2048)
+    (target / "embed.json").write_text(json.dumps({"source": str(demo_pair[0]), "shape": shape}))
+
+    def run(tp: int, speculation: str, drafter: str = "ngram") -> dict:
+        cfg = tmp_path / f"tp{tp}.yaml"
+        cfg.write_text(f"models:\n  target: {target}\n  draft: null\n  drafter: ngram\n"
+                       f"engine:\n  tensor_parallel_size: {tp}\n  max_num_seqs: 4\n  max_model_len: 256\n")
+        cmd = [sys.executable, "-m", "cluster.cli", "generate", "for i in range(10):\n    x = x", "--local",
+               "--json", "--config", str(cfg), "--max-tokens", "24", "--speculation", speculation,
+               "--drafter", drafter]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout)
+
+    one = run(1, "off")
+    assert len(one["token_ids"]) == 24
+    assert run(2, "off")["token_ids"] == one["token_ids"]
+    spec = run(2, "3", "early-exit")  # drafts from the target's own first layers: it always drafts
+    assert spec["token_ids"] == one["token_ids"] and spec["spec"]["drafted"] > 0
