@@ -44,16 +44,21 @@ class Target:
     overrides: dict = field(default_factory=dict)
 
 
+# In a pod the proxies bind every interface (the Service reaches them from outside it), so
+# clients need keys: from the Secret spec-cluster-api-keys, as env (k8s/base/rayservice.yaml).
+# Drafters advertise the pod IP: verifier pods join later.
+K8S_OPEN = {"network": {"host": "0.0.0.0", "drafter_host": "node"},
+            "router": {"api_keys_env": "SPEC_CLUSTER_API_KEYS"}}
+
 TARGETS = (
     Target("deploy/serve_config.yaml", "configs/cluster.yaml"),
-    # in a pod the proxies bind every interface: the Service reaches them from outside it
     Target("k8s/base/serve-config-v2.yaml", "configs/cluster.yaml", "kuberay",
-           {"kvdir": {"url": K8S_KVDIR_URL}, "network": {"host": "0.0.0.0", "drafter_host": "node"}}),
+           {"kvdir": {"url": K8S_KVDIR_URL}, **K8S_OPEN}),
     # configs/hopper.yaml names its Redis itself (in-cluster or external).
     Target("k8s/overlays/hopper/serve-config-v2.yaml", "configs/hopper.yaml", "kuberay",
-           {"network": {"host": "0.0.0.0", "drafter_host": "node"}}),
+           K8S_OPEN),
     Target("k8s/overlays/hopper-70b/serve-config-v2.yaml", "configs/hopper-70b.yaml", "kuberay",
-           {"network": {"host": "0.0.0.0", "drafter_host": "node"}}),
+           K8S_OPEN),
 )
 
 

@@ -25,8 +25,11 @@ K8S = REPO / "k8s"
 KUSTOMIZATIONS = ["base", "overlays/dev", "overlays/hopper", "overlays/hopper-70b"]
 SECRET = {"name": "spec-cluster-redis", "key": "password"}
 KUBECTL = shutil.which("kubectl")
-# what cluster.deploy_config's k8s targets set: proxies on every interface, drafters on the node IP
-K8S_NETWORK = {"network": {"host": "0.0.0.0", "drafter_host": "node"}}
+# what cluster.deploy_config's k8s targets set: proxies on every interface, drafters on the node
+# IP, API keys from the env a Secret fills
+K8S_NETWORK = {"network": {"host": "0.0.0.0", "drafter_host": "node"},
+               "router": {"api_keys_env": "SPEC_CLUSTER_API_KEYS"}}
+KEYS_SECRET = {"name": "spec-cluster-api-keys", "key": "keys"}
 
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is needed to render the KubeRay overlays")
 
@@ -134,7 +137,8 @@ def test_cpu_serve_config_v2_is_deploy_serve_config_with_redis(name):
     # the in-cluster Redis, and proxies bound to every interface (a VM's serve config keeps loopback)
     assert differing(v2, deploy_serve_config()) == {"/applications/0/args/cluster/kvdir/url", "/http_options/host",
                                                     "/applications/0/args/cluster/network/host",
-                                                    "/applications/0/args/cluster/network/drafter_host"}
+                                                    "/applications/0/args/cluster/network/drafter_host",
+                                                    "/applications/0/args/cluster/router/api_keys_env"}
     assert v2["applications"][0]["args"]["cluster"]["kvdir"]["url"] == "redis://redis:6379/0"
     assert v2["http_options"]["host"] == "0.0.0.0" and deploy_serve_config()["http_options"]["host"] == "127.0.0.1"
 
@@ -287,6 +291,19 @@ def test_head_runs_no_replicas_and_exposes_dashboard_grpc_http(name):
 
 
 @pytest.mark.parametrize("name", KUSTOMIZATIONS)
+def test_api_keys_come_from_a_secret(name):
+    """The proxies bind every interface in a pod, so the router asks for keys, read from
+    the env that the Secret spec-cluster-api-keys fills on every Ray container."""
+    docs = render(name)
+    rs = one(docs, "RayService")
+    router = serve_config_v2(rs)["applications"][0]["args"]["cluster"]["router"]
+    assert router["api_keys_env"] == "SPEC_CLUSTER_API_KEYS" and not router.get("api_keys")
+    for c in (c for g in ray_pods(rs) for c in g["template"]["spec"]["containers"]):
+        [env] = [e for e in c["env"] if e["name"] == "SPEC_CLUSTER_API_KEYS"]
+        assert env == {"name": "SPEC_CLUSTER_API_KEYS", "valueFrom": {"secretKeyRef": KEYS_SECRET}}
+
+
+@pytest.mark.parametrize("name", KUSTOMIZATIONS)
 def test_redis_password_comes_from_a_secret(name):
     docs = render(name)
     rs = one(docs, "RayService")
@@ -302,8 +319,8 @@ def test_redis_password_comes_from_a_secret(name):
     url = serve_config_v2(rs)["applications"][0]["args"]["cluster"]["kvdir"]["url"]
     assert url == "redis://redis:6379/0"  # no password in the config
     secrets = [d for d in docs if d["kind"] == "Secret"]
-    if name == "overlays/dev":
-        assert [s["metadata"]["name"] for s in secrets] == [SECRET["name"]]
+    if name == "overlays/dev":  # throwaway values for a laptop
+        assert sorted(s["metadata"]["name"] for s in secrets) == sorted([SECRET["name"], KEYS_SECRET["name"]])
     else:  # created out of band (docs/deploy.md), never committed
         assert not secrets
 
