@@ -262,6 +262,18 @@ def save(args, name: str, data: dict, plot) -> dict:
     return data
 
 
+def finish(a, b, levels: list[int]) -> None:
+    """Log x axes ticked at the measured levels; legends where something was drawn (a partial
+    run's first write has no ratio yet)."""
+    for ax in (a, b):
+        ax.set_xscale("log")
+        if levels:
+            ax.set_xticks(levels, [str(c) for c in levels])
+            ax.minorticks_off()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+
+
 def plot_drafter(data: dict, path: Path) -> None:
     from cluster.bench.report import figure
 
@@ -274,11 +286,10 @@ def plot_drafter(data: dict, path: Path) -> None:
         if name != "colocated" and "colocated" in res:
             rat = ratios(res, name, "colocated", "tokens_per_s")
             b.plot([int(c) for c in rat], list(rat.values()), "o-", label=f"{name} / colocated")
-    a.set(xscale="log", xlabel="concurrent streams", ylabel="tokens/s", title="Throughput (gamma 4, greedy)")
+    a.set(xlabel="concurrent streams", ylabel="tokens/s", title="Throughput (gamma 4, greedy)")
     b.axhline(1.0, color="gray", ls="--")
-    b.set(xscale="log", xlabel="concurrent streams", ylabel="fraction of colocated", title="Against colocated")
-    a.legend()
-    b.legend()
+    b.set(xlabel="concurrent streams", ylabel="fraction of colocated", title="Against colocated")
+    finish(a, b, sorted({pt["concurrency"] for r in res.values() for pt in r["points"]}))
     fig.suptitle(f"Drafter placement, {data['where']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -295,12 +306,11 @@ def plot_shared(data: dict, path: Path) -> None:
         a.plot(cs, [x["shared_drafter_per_gpu"] for x in lv], "o-", label=f"k={row['k']}: shared drafter ({row['k'] + 1} GPUs)")
         a.plot(cs, [x["colocated_per_gpu"] for x in lv], "s--", label=f"k={row['k']}: colocated ({row['k']} GPUs)")
         b.plot(cs, [x["ratio"] for x in lv], "o-", label=f"k={row['k']}")
-    a.set(xscale="log", xlabel="streams per verifier", ylabel="tokens/s per GPU", title="Cluster tokens/s per GPU")
+    a.set(xlabel="streams per verifier", ylabel="tokens/s per GPU", title="Cluster tokens/s per GPU")
     b.axhline(1.0, color="gray", ls="--")
-    b.set(xscale="log", xlabel="streams per verifier", ylabel="shared drafter / colocated (per GPU)",
+    b.set(xlabel="streams per verifier", ylabel="shared drafter / colocated (per GPU)",
           title="One drafter GPU for k verifiers")
-    a.legend(fontsize=8)
-    b.legend()
+    finish(a, b, sorted({x["per_verifier"] for row in data["summary"] for x in row["levels"]}))
     fig.suptitle(f"One drafter GPU for k verifiers, {data['where']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
