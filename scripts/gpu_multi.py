@@ -43,10 +43,11 @@ from cluster.bench.placement import Mode  # noqa: E402
 GPU = {"target": "demo-8b-target", "draft": "demo-8b-draft", "dtype": "bfloat16", "device": "cuda",
        "compile": True, "levels": [1, 4, 16, 32], "max_tokens": 128, "requests_per_stream": 2, "min_requests": 8, "max_num_seqs": 32, "kv_cache_gb": 8.0,
        "modes": "colocated,own,shared", "ks": "1,3,7", "budget_s": 540, "mode_s": 200,
-       # routing: 16 prompts of 1024 tokens = 1024 blocks of 2 MiB (8B shape, bf16) = 2 GiB; a
-       # 2 GiB pool per replica holds half of them beside the live rows, not all (the thrash regime)
+       # routing: 16 prompts of 1024 tokens = 1024 blocks of 2 MiB (8B shape, bf16: 128 KiB a
+       # token) = 2 GiB; a 1.5 GiB pool (768 blocks) per replica holds half of them beside the
+       # live rows, not all: default routing makes both replicas cache all 16 and thrash
        "system_prompts": 16, "prompt_tokens": 1024, "per_prompt": 8, "concurrency": [4, 12],
-       "routing_kv_gb": 2.0, "routing_max_tokens": 8, "max_model_len": 2048}
+       "routing_kv_gb": 1.5, "routing_max_tokens": 8, "max_model_len": 2048}
 # the small pair in float32 on CPU, fake GPUs: placement and plumbing only, no speed
 SMOKE = {"target": "demo-target", "draft": "demo-draft", "dtype": "float32", "device": "cpu",
          "compile": False, "levels": [1, 2], "max_tokens": 8, "requests_per_stream": 1, "min_requests": 2, "max_num_seqs": 4, "kv_cache_gb": None,
