@@ -4,6 +4,8 @@ check against the GPU ids replicas report, and (slow) a real deployment on fake 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -36,26 +38,23 @@ def test_check_names_every_misplacement(mode, gmap, ok):
     assert (placement.check(mode, gmap) == []) is ok
 
 
-@pytest.mark.slow
-def test_one_drafter_gpu_for_two_verifiers_on_fake_gpus(demo_pair):
-    """Ray told of 3 GPUs on a CPU machine: two verifier replicas and the Drafter replica
-    each get a GPU id of their own, and both verifiers draft through the one drafter."""
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():
-        pytest.skip("needs a Ray of its own (fake GPUs); run this file alone")
+def deploy_on_fake_gpus() -> None:
+    """Two verifiers and one Drafter replica on a Ray told of 3 GPUs (a CPU machine): each
+    holds a GPU id of its own, and both verifiers draft through the one drafter."""
+    import ray
     from ray import serve
 
     from cluster.bench.load import run_grpc
     from cluster.config import parse_config
     from cluster.serve.launch import run_app, shutdown, start_serve
-    from tests.conftest import REPO, free_port
+    from tests.conftest import DEMO, REPO, free_port
 
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     mode, port, app = placement.own_drafter(2), free_port(), "placement-test"
     ray.init(address="local", num_cpus=8, num_gpus=3, include_dashboard=False, log_to_driver=False)
     try:
         start_serve(parse_config({"network": {"grpc_port": port, "http_port": free_port()}}), "HeadOnly")
-        run_app(parse_config({"models": {"device": "cpu", "target": str(demo_pair[0]), "draft": str(demo_pair[1])},
+        run_app(parse_config({"models": {"device": "cpu", "target": str(DEMO / "target"), "draft": str(DEMO / "draft")},
                               "engine": {"max_num_seqs": 4}, "kvdir": {"url": None, "routing": "power_of_two"},
                               "network": {"grpc_port": port, "app_name": app, "route_prefix": f"/{app}"}},
                              mode.overrides()))
@@ -72,5 +71,18 @@ def test_one_drafter_gpu_for_two_verifiers_on_fake_gpus(demo_pair):
                 break
             time.sleep(0.5)
         assert len(reps) == 2 and all(s["drafted"] > 0 for s in reps.values()), reps
+        print("placement", gmap)
     finally:
         shutdown()
+
+
+@pytest.mark.slow
+def test_one_drafter_gpu_for_two_verifiers_on_fake_gpus(demo_pair):
+    """In a process of its own: its Ray has fake GPUs, the session's shared cluster has none."""
+    from tests.conftest import REPO
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    r = subprocess.run([sys.executable, "-c", "from tests.bench.test_placement import deploy_on_fake_gpus as f; f()"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "placement" in r.stdout
