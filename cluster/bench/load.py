@@ -106,6 +106,8 @@ def run_grpc(address: str, application: str | None, prompts, concurrency: int, m
                 r = c.generate(p if isinstance(p, str) else " ".join(map(str, p)), max_tokens=max_tokens,
                                speculation=speculation)
                 d = MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+                for k in ("drafted", "accepted", "verify_steps"):  # int64: JSON mapping gives strings
+                    d["spec"][k] = int(d["spec"][k])
                 with lock:
                     done.append(d)
 

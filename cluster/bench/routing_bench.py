@@ -121,8 +121,10 @@ def measure(client: Client, app: str, replicas: int, prompts: list[str], reqs, c
             "hit_rate": h / q if q else 0.0, "requests_per_s": len(ttft) / wall, "per_replica": per_replica}
 
 
-def run_mode(base: dict, mode: str, kv_cache_gb: float, prompts: list[str], reqs, args) -> list[dict]:
-    """Deploy fresh, warm up once per system prompt, then one phase per concurrency."""
+def run_mode(base: dict, mode: str, kv_cache_gb: float, prompts: list[str], reqs, args,
+             on_ready=None) -> list[dict]:
+    """Deploy fresh, warm up once per system prompt, then one phase per concurrency;
+    `on_ready(app)` runs once warm, before the phases (scripts/gpu_multi.py checks GPUs there)."""
     from ray import serve
 
     from cluster.serve.launch import run_app
@@ -140,6 +142,8 @@ def run_mode(base: dict, mode: str, kv_cache_gb: float, prompts: list[str], reqs
             client.generate(p + "\n# warm up\n", max_tokens=1, speculation="off")
         prefix_counts(app, cfg.verifier.num_replicas)  # every replica has reported
         blocks = pool_blocks(app)
+        if on_ready is not None:
+            on_ready(app)
         for c in args.concurrency:
             r = measure(client, app, cfg.verifier.num_replicas, prompts, reqs, c, args.max_tokens,
                         f"{mode} kv={kv_cache_gb:g} GiB c={c}")
@@ -186,7 +190,7 @@ def plot(res: dict, path: Path) -> None:
     b.legend(fontsize=8, loc="lower right")
     fig.suptitle(f"{wl['system_prompts']} system prompts ({wl['system_prompt_blocks_total']} blocks) x "
                  f"{wl['per_prompt']} suffixes, 2 verifier replicas, {Path(wl['model']).name} on "
-                 f"{res['env']['cpus']} shared CPUs")
+                 f"{res['env'].get('where') or str(res['env']['cpus']) + ' shared CPUs'}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -119,7 +119,8 @@ class DrafterDeployment:
         with self.lock:
             self._expire()
             return {"sequences": sum(len(d.state) for d in self.drafters.values()), "calls": dict(self.calls),
-                    "node_id": ray.get_runtime_context().get_node_id()}
+                    "node_id": ray.get_runtime_context().get_node_id(),
+                    "gpu_ids": [str(g) for g in ray.get_gpu_ids()]}
 
     def _forget(self, seq_ids: list[str]) -> None:
         for d in self.drafters.values():

@@ -43,6 +43,9 @@ class Verifier:
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id if ctx else "local"
         self.node_id = ray.get_runtime_context().get_node_id()
+        # what Ray gave this replica (the multi-GPU runs check that replicas meant to hold a GPU
+        # of their own do): GPU ids as strings, as ray.get_gpu_ids() names them
+        self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         # one client per drafter the Drafter replicas host, each call naming its drafter
         self.remotes = {name: RemoteDrafter(drafter, cfg.router.drafter_timeout_s, self.replica_id,
                                             cfg.router.drafter_transport, name)
@@ -135,7 +138,7 @@ class Verifier:
         with self.loop.lock:
             s = self.engine.stats()
         ctrl = self.engine.controller
-        s.update(replica=self.replica_id, node_id=self.node_id, gamma=ctrl.snapshot().get("gamma", 0) if ctrl else self.engine.cfg.gamma,
+        s.update(replica=self.replica_id, node_id=self.node_id, gpu_ids=self.gpu_ids, gamma=ctrl.snapshot().get("gamma", 0) if ctrl else self.engine.cfg.gamma,
                  verify_tokens=int(self.load.report("stats").get("verify_tokens", 0.0)), **self.figures.snapshot())
         if self.publisher is not None:
             s["kvdir_available"] = 1 if self.publisher.directory.available else 0
