@@ -13,13 +13,19 @@ benchmarks/hop). vLLM's engine client talks to its engine core the same way.
 
 Frames: request [call id, ProposeRequest]; reply [call id, OK, ProposeReply] or
 [call id, ERR, message]. The call id lets a caller drop the late reply of a call it gave up on.
+
+Several verifiers may share one drafter replica: the calls waiting when the server looks are
+answered by one drafter pass over all their rows (`propose_many`), so k verifiers cost the
+drafter one batched step, not k steps in a row.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
+from collections import defaultdict
 
 import numpy as np
 import torch
@@ -87,12 +93,28 @@ def decode_output(msg: pb.ProposeReply) -> tuple[DraftOutput, list[bool]]:
     return DraftOutput(toks, ids, probs, msg.seconds), [r.resync for r in msg.rows]
 
 
+def split_output(out: DraftOutput, counts: list[int]) -> list[DraftOutput]:
+    """One DraftOutput per call, from the output of their rows drafted together: every
+    per-row field sliced, the rest (seconds: the pass's time) shared."""
+    total, parts, at = sum(counts), [], 0
+    for n in counts:
+        fields = {}
+        for f in dataclasses.fields(out):
+            v = getattr(out, f.name)
+            fields[f.name] = v[at: at + n] if isinstance(v, list) and len(v) == total else v
+        parts.append(DraftOutput(**fields))
+        at += n
+    return parts
+
+
 class DraftServer:
     """Answers draft calls on one thread with `propose(requests, starts, release, caller)
-    -> (DraftOutput, resync per row)`; the calls run one at a time, in arrival order."""
+    -> (DraftOutput, resync per row)`, one at a time in arrival order; with `propose_many
+    (calls, drafter=...) -> [(DraftOutput, resync)]`, the calls of different callers waiting
+    together for the same drafter are drafted as one batch."""
 
-    def __init__(self, propose, host: str, port: int = 0):
-        self.propose = propose
+    def __init__(self, propose, host: str, port: int = 0, propose_many=None):
+        self.propose, self.propose_many = propose, propose_many
         self.context = zmq.Context()  # its own, so that stop() can end it
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.linger = 0
@@ -114,25 +136,64 @@ class DraftServer:
         try:
             while not self.stopping:
                 if self.socket.poll(100):  # wakes at once on a call; the timeout only notices stop()
-                    frames = self.socket.recv_multipart()
-                    if len(frames) == 3:  # [caller's identity, call id, request]; anything else is not ours
-                        self.socket.send_multipart(frames[:2] + self._answer(frames[2]))
+                    calls = self._waiting()
+                    for frames, reply in zip(calls, self._answer_all([f[2] for f in calls])):
+                        self.socket.send_multipart(frames[:2] + reply)
         finally:
             self.socket.close()
             self.context.term()
 
-    def _answer(self, body: bytes) -> list[bytes]:
-        try:
-            msg = pb.ProposeRequest.FromString(body)
-            named = {"drafter": msg.drafter} if msg.drafter else {}  # "": the draft model
-            return [OK, encode_output(*self.propose(*decode_request(msg), **named)).SerializeToString()]
-        except Exception as e:  # the verifier decodes without drafts this step
-            return [ERR, f"drafter failed: {type(e).__name__}: {e}".encode()]
+    def _waiting(self) -> list[list[bytes]]:
+        """Every call that has arrived: [caller's identity, call id, request] each; anything
+        else is not ours."""
+        calls = []
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return calls
+            if len(frames) == 3:
+                calls.append(frames)
+
+    def _answer_all(self, bodies: list[bytes]) -> list[list[bytes]]:
+        """Replies in the calls' order. Calls naming the same drafter from different callers
+        form one batch; a caller's second call waits for a later batch (its rows continue
+        what the first one drafts)."""
+        replies: list[list[bytes] | None] = [None] * len(bodies)
+        batches: dict[tuple[str, int], list[tuple[int, tuple]]] = defaultdict(list)
+        seen: dict[tuple[str, str], int] = defaultdict(int)  # (drafter, caller) -> calls so far
+        for i, body in enumerate(bodies):
+            try:
+                msg = pb.ProposeRequest.FromString(body)
+                args = decode_request(msg)
+            except Exception as e:  # noqa: BLE001 - a malformed call: an error reply, not a dead server
+                replies[i] = _error(e)
+                continue
+            round_ = seen[msg.drafter, msg.caller]
+            seen[msg.drafter, msg.caller] += 1
+            batches[msg.drafter, round_].append((i, args))
+        for (drafter, _), items in sorted(batches.items(), key=lambda kv: kv[0][1]):
+            named = {"drafter": drafter} if drafter else {}  # "": the draft model
+            try:
+                if len(items) > 1 and self.propose_many is not None:
+                    results = self.propose_many([args for _, args in items], **named)
+                else:
+                    results = [self.propose(*args, **named) for _, args in items]
+                for (i, _), result in zip(items, results):
+                    replies[i] = [OK, encode_output(*result).SerializeToString()]
+            except Exception as e:  # noqa: BLE001 - the verifiers decode without drafts this step
+                for i, _ in items:
+                    replies[i] = _error(e)
+        return replies
 
     def stop(self) -> None:
         self.stopping = True
         if self.thread is not threading.current_thread():
             self.thread.join()
+
+
+def _error(e: Exception) -> list[bytes]:
+    return [ERR, f"drafter failed: {type(e).__name__}: {e}".encode()]
 
 
 class DraftError(RuntimeError):

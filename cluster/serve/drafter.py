@@ -59,7 +59,8 @@ class DrafterDeployment:
         self.drafters = {name: builders[name](cfg) for name in remote_drafters(cfg)}
         self.calls = dict.fromkeys(self.drafters, 0)  # draft calls served, by drafter
         self.lock = threading.RLock()  # propose_from holds it across propose
-        self.server = DraftServer(self.propose_from, bind_host(cfg.network.drafter_host))
+        self.server = DraftServer(self.propose_from, bind_host(cfg.network.drafter_host),
+                                  propose_many=self.propose_many)
         self.demand = DraftDemandMeter()
         # a verifier that dies never releases its sequences: they expire instead
         self.ttl_s = cfg.router.drafter_state_ttl_s
@@ -72,31 +73,53 @@ class DrafterDeployment:
 
     def propose(self, requests: list[DraftRequest], release: list[str], caller: str = "",
                 drafter: str = "model") -> DraftOutput:
+        """A call through Serve's request path (router.drafter_transport: handle)."""
         self.demand.note_call(caller, sum(r.k for r in requests))
         with self.lock:
-            self._forget(release)
-            now = self._expire()
-            self.last_used.update((r.seq_id, now) for r in requests)
-            if not requests:  # a release-only call (an idle flush) or a verifier's probe
-                return DraftOutput([], [], [])
-            self.calls[drafter] += 1
-            return self.drafters[drafter].propose(requests)
+            return self._draft(requests, release, drafter, calls=1 if requests else 0)
+
+    def _draft(self, requests: list[DraftRequest], release: list[str], drafter: str, calls: int) -> DraftOutput:
+        self._forget(release)
+        now = self._expire()
+        self.last_used.update((r.seq_id, now) for r in requests)
+        if not requests:  # release-only calls (an idle flush) or a verifier's probe
+            return DraftOutput([], [], [])
+        self.calls[drafter] += calls
+        return self.drafters[drafter].propose(requests)
 
     def propose_from(self, requests: list[DraftRequest], starts: list[int], release: list[str],
                      caller: str = "", drafter: str = "model") -> tuple[DraftOutput, list[bool]]:
         """The direct call: each request's token_ids continue the `start` tokens this replica
         holds for it. A row whose start it lacks (evicted, or another replica drafted it) is
         answered `resync`, with no drafts; its verifier sends all its tokens next time."""
+        return self.propose_many([(requests, starts, release, caller)], drafter)[0]
+
+    def propose_many(self, calls: list[tuple], drafter: str = "model") -> list[tuple[DraftOutput, list[bool]]]:
+        """Direct calls of several verifiers, drafted as one batch: (DraftOutput, resync) each."""
+        from cluster.serve.draft_rpc import split_output
+
         with self.lock:
-            resync = []
-            for r, start in zip(requests, starts):
-                held = self.drafters[drafter].tokens_held(r.seq_id) if start else []
-                resync.append(held is None or len(held) < start)
-                if resync[-1]:  # nothing of it is used: its tokens are a suffix of unknown place
-                    r.k, r.aux = 0, None
-                else:
-                    r.token_ids = held[:start] + r.token_ids
-            return self.propose(requests, release, caller, drafter), resync
+            rows, release, counts, resyncs = [], [], [], []
+            for requests, starts, rel, caller in calls:
+                self.demand.note_call(caller, sum(r.k for r in requests))
+                resyncs.append([self._resume(r, start, drafter) for r, start in zip(requests, starts)])
+                rows += requests
+                release += rel
+                counts.append(len(requests))
+            out = self._draft(rows, release, drafter, calls=sum(1 for n in counts if n))
+        parts = split_output(out, counts) if rows else [DraftOutput([], [], []) for _ in calls]
+        return list(zip(parts, resyncs))
+
+    def _resume(self, r: DraftRequest, start: int, drafter: str) -> bool:
+        """Put back the `start` tokens held for r's sequence before its new ones; True (a
+        resync) where they are not held: nothing of it is used, its tokens being a suffix
+        of unknown place."""
+        held = self.drafters[drafter].tokens_held(r.seq_id) if start else []
+        if held is None or len(held) < start:
+            r.k, r.aux = 0, None
+            return True
+        r.token_ids = held[:start] + r.token_ids
+        return False
 
     def check_health(self) -> None:
         """Serve's periodic probe: a replica whose draft-call server has stopped answers no

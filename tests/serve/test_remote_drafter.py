@@ -354,3 +354,47 @@ def test_a_hung_replica_costs_a_fraction_of_the_timeout():
         assert time.monotonic() - t < 1.0 and d.down
     finally:
         replica.server.stop()
+
+
+def test_calls_waiting_together_from_different_verifiers_are_drafted_as_one_batch():
+    """While the drafter is busy, two verifiers' calls arrive (and a second call from one of
+    them): the two verifiers' calls become one pass over both their rows, each verifier
+    gets its own rows back, and the second call of the same verifier comes after."""
+    from cluster.serve.draft_rpc import DraftingClient, DraftServer, split_output
+
+    busy, batches = threading.Event(), []
+
+    def echo(requests):  # each row drafts its own length: whose row is whose shows
+        return DraftOutput([[len(r.token_ids)] for r in requests],
+                           [np.array([[len(r.token_ids)]], np.int32) for r in requests],
+                           [np.ones((1, 1), np.float32) for _ in requests], seconds=0.5)
+
+    def propose(requests, starts, release, caller):
+        busy.wait(5)
+        batches.append([caller])
+        return echo(requests), [False] * len(requests)
+
+    def propose_many(calls):
+        batches.append([c[3] for c in calls])
+        rows = [r for c in calls for r in c[0]]
+        parts = split_output(echo(rows), [len(c[0]) for c in calls])
+        return [(p, [False] * len(c[0])) for p, c in zip(parts, calls)]
+
+    server = DraftServer(propose, "127.0.0.1", propose_many=propose_many)
+    a, b = DraftingClient(server.address), DraftingClient(server.address)
+    try:
+        first = a.propose([DraftRequest("a0", [1], 1)], [0], [], "va", 5.0)  # occupies the drafter
+        time.sleep(0.2)
+        second = b.propose([DraftRequest("b1", [1] * 2, 1), DraftRequest("b2", [1] * 3, 1)], [0, 0], [], "vb", 5.0)
+        third = a.propose([DraftRequest("a1", [1] * 4, 1)], [0], [], "va", 5.0)
+        again = a.propose([DraftRequest("a2", [1] * 5, 1)], [0], [], "va", 5.0)
+        time.sleep(0.3)  # all three wait behind the first
+        busy.set()
+        assert first.result().tokens == [[1]]
+        assert second.result().tokens == [[2], [3]] and third.result().tokens == [[4]]
+        assert again.result().tokens == [[5]]
+        assert batches == [["va"], ["vb", "va"], ["va"]]
+    finally:
+        a.close()
+        b.close()
+        server.stop()
