@@ -39,8 +39,8 @@ class EngineConfig(BaseModel):
     ones cached until their blocks are needed (LRU)."""
     kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     """KV cache element type: auto (the model's dtype) or fp8 (e4m3 with per-layer scales
-    calibrated at start-up; on FA3 attention itself runs in fp8). Half the cache bytes;
-    accuracy in benchmarks/gpu/h100/fp8."""
+    calibrated at start-up, the same on every tensor-parallel rank; on FA3 attention itself
+    runs in fp8). Half the cache bytes; accuracy in benchmarks/gpu/h100/fp8."""
     compile: bool = False
     """GPU fast path: Triton GEMV with fused norm/SiLU/residual for batch-1 steps and
     torch.compile'd elementwise kernels (CUDA only; ignored on CPU). Costs warm-up time."""
@@ -82,8 +82,6 @@ class EngineConfig(BaseModel):
             raise ValueError(f"gamma ({self.gamma}) must be <= gamma_max ({self.gamma_max})")
         if self.max_batch_tokens < self.gamma_max + 1:
             raise ValueError("max_batch_tokens must hold one row of gamma_max + 1 tokens")
-        if self.tensor_parallel_size > 1 and self.kv_cache_dtype == "fp8":
-            raise ValueError("kv_cache_dtype fp8 is not supported with tensor_parallel_size > 1 yet")
         return self
 
 

@@ -74,8 +74,6 @@ class Engine:
                              f"engine.kv_cache_gb or gpu_memory_utilization, or lower max_model_len")
         self.kv = KVCache(s.layers, blocks, cfg.block_size, s.kv_heads, s.head_dim, kv_dtype, p.device,
                           cfg.max_num_seqs, max_tokens, model_seed(identity), cfg.prefix_caching)
-        if cfg.kv_cache_dtype == "fp8":
-            self.kv.scales = fp8.calibrate(model, fp8.calibration_tokens(tokenizer))
         graph_width = cfg.gamma_max + 1 if cfg.cuda_graphs and p.device.type == "cuda" else 0
         if model.group is not None:  # rank 0 of a tensor-parallel group: its passes lead the others'
             self.runner = ParallelRunner(model, self.kv, cfg.attention, model.group)
@@ -84,6 +82,8 @@ class Engine:
             # eager pass's host work (H100, 8B shape: ~40 ms of it), and padding only costs
             self.runner = Runner(model, self.kv, cfg.attention, graph_width, cfg.prefill_chunk,
                                  min(cfg.max_batch_tokens, 2048))
+        if cfg.kv_cache_dtype == "fp8":  # through the runner: a tensor-parallel one calibrates every rank
+            self.runner.calibrate(fp8.calibration_tokens(tokenizer))
         self.backend = model.backend.name
         self.pipeline = DecodePipeline(self.runner.graphs) if self.runner.graphs is not None else None
         self.scheduler = Scheduler(cfg, self.kv)

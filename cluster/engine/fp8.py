@@ -13,6 +13,13 @@ cast, never NaN). Speculation stays lossless relative to the quantized target: d
 verify read the same cache, so greedy speculative output equals greedy plain output with
 the same fp8 cache. It is the target's cache only: a draft model keeps its own cache in its
 weights' dtype (small, and its rounding only moves acceptance).
+
+Under tensor parallelism every rank runs the calibration pass on its own heads (rank 0
+announces it, cluster.engine.ranks) and the ranks take the maximum of their amaxes, so every
+rank holds the same scales, those of the whole layer as one process computes them. vLLM's
+`calc_kv_scales` takes each rank's amax of its own shard with no collective, so its ranks
+quantize with different scales; a checkpoint's kv scales, by contrast, are per layer and the
+same on every rank, which is what this matches.
 """
 
 from __future__ import annotations
@@ -73,7 +80,8 @@ class _Observer:
 
 @torch.inference_mode()
 def calibrate(model, token_ids: list[int]) -> torch.Tensor:
-    """Scales [layers, 3 (q, k, v)] fp32, on the host."""
+    """Scales [layers, 3 (q, k, v)] fp32, on the host. A tensor-parallel rank's model
+    (model.group set) must run this with the same tokens as every other rank."""
     s, dev = model.shape, next(model.parameters()).device
     ids = torch.tensor([token_ids[: s.max_positions]], device=dev)
     observer, saved = _Observer(), model.backend
@@ -84,6 +92,8 @@ def calibrate(model, token_ids: list[int]) -> torch.Tensor:
     finally:
         model.backend = saved
     amax = torch.stack(observer.amax)                                   # [layers, 3]
+    if model.group is not None:  # this rank's heads -> all heads: every rank the same scales
+        model.group.all_max(amax)
     scales = amax.clamp(min=1e-6) / torch.tensor(TARGET_AMAX, device=dev)
     log.info("fp8 KV scales from %d calibration tokens: q %.3g-%.3g, k %.3g-%.3g, v %.3g-%.3g",
              ids.shape[1], *(f(scales[:, j]).item() for j in range(3) for f in (torch.min, torch.max)))
@@ -91,4 +101,4 @@ def calibrate(model, token_ids: list[int]) -> torch.Tensor:
 
 
 def calibration_tokens(tokenizer) -> list[int]:
-    return tokenizer(CALIBRATION_TEXT, add_special_tokens=True)["input_ids"]
+    return tokenizer.encode(CALIBRATION_TEXT)  # a Hugging Face tokenizer adds its BOS here

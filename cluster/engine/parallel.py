@@ -42,6 +42,12 @@ class Group:
         dist.all_reduce(x, group=self.step_group)
         return x
 
+    def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum of x over ranks, in place (each rank's amax of its own heads
+        becomes the amax over all heads: cluster.engine.fp8)."""
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.step_group)
+        return x
+
     def gather_vocab(self, x: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """Each rank's vocabulary slice [..., V/N] of the logits, joined on rank 0 as [..., V];
         None elsewhere (only rank 0 samples)."""

@@ -9,7 +9,10 @@ and no scheduler: per pass it receives the header, applies the table changes and
 tensor ops on its shard, joining rank 0's all-reduces and the logits gather. So the engine
 above the runner is unchanged and a follower's host work does not grow with the batch.
 
-The first header after start is the KV geometry (`SETUP`); STOP ends the followers. A dead
+The first header after start is the KV geometry and cache dtype (`SETUP`). With an fp8 cache
+a CALIBRATE header (its payload: the calibration tokens) follows: every rank runs the
+calibration pass on its heads and the ranks agree on the scales (cluster.engine.fp8), once,
+before any FORWARD. STOP ends the followers. A dead
 or stalled rank makes rank 0's next collective fail (cluster.engine.parallel): rank 0 raises
 RankFailure and the replica goes down, rather than serving from a broken group.
 """
@@ -23,15 +26,17 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from cluster.engine import fp8
 from cluster.engine.attention import AttnContext
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.parallel import Group, RankFailure, free_port, init_group
 from cluster.engine.runner import Runner
 
 log = logging.getLogger(__name__)
-STOP, FORWARD = 0, 1
+STOP, FORWARD, CALIBRATE = 0, 1, 2
 META = 8      # op, rows B, width T, table updates U, max_kv, real-token index length (-1: all), last_only, layers
-SETUP = 4     # blocks, block_size, max_rows, max_tokens
+#               (CALIBRATE: op, tokens, 0...)
+SETUP = 5     # blocks, block_size, max_rows, max_tokens, fp8 cache (0 / 1)
 STEP_TIMEOUT_S = 120.0
 DEATH_WAIT_S = 2.0  # after a failed collective, how long rank 0 looks for the follower that died
 
@@ -55,6 +60,8 @@ def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens
 
 
 def payload_len(meta: list[int]) -> int:
+    if meta[0] == CALIBRATE:
+        return meta[1]
     _, b, width, num_updates, _, num_src, _, _ = meta
     return 3 * b + b * width + max(num_src, 0) + 3 * num_updates
 
@@ -81,7 +88,15 @@ class ParallelRunner(Runner):
         super().__init__(model, kv, attention)  # no CUDA graphs: their collectives are not captured yet
         self.group = group
         with self._failures():
-            group.broadcast_header(torch.tensor([kv.scratch_block, kv.block_size, kv.max_rows, kv.max_tokens]))
+            group.broadcast_header(torch.tensor([kv.scratch_block, kv.block_size, kv.max_rows, kv.max_tokens,
+                                                 int(kv.k.dtype == fp8.FP8)]))
+
+    def calibrate(self, token_ids: list[int]) -> None:
+        """As Runner.calibrate, on every rank: each gets the same scales (cluster.engine.fp8)."""
+        with self._failures():
+            self.group.broadcast_header(torch.tensor([CALIBRATE, len(token_ids)] + [0] * (META - 2)))
+            self.group.broadcast_header(torch.tensor(token_ids, dtype=torch.int64))
+            super().calibrate(token_ids)
 
     @torch.inference_mode()
     def forward(self, rows, cache_lens, tokens, last_only, num_layers=None, trees=None, hidden=False, aux=False):
@@ -168,8 +183,9 @@ def start_ranks(target: str, cfg, step_timeout_s: float = STEP_TIMEOUT_S, launch
 
 
 def follow(rank: int, size: int, port: int, target: str, cfg, step_timeout_s: float,
-           addr: str = "127.0.0.1") -> None:
-    """A follower rank's whole life: join, load its shard, mirror rank 0's passes until STOP."""
+           addr: str = "127.0.0.1") -> KVCache:
+    """A follower rank's whole life: join, load its shard, mirror rank 0's passes until STOP.
+    Returns its KV cache as STOP left it (its scales, for a caller that checks them)."""
     from cluster.engine.loader import load_model
 
     torch.set_num_threads(max(1, torch.get_num_threads() // size))  # on a CPU the ranks share the host's cores
@@ -177,8 +193,10 @@ def follow(rank: int, size: int, port: int, target: str, cfg, step_timeout_s: fl
     try:
         model = load_model(target, getattr(torch, cfg.dtype), group.device, group)  # float32, bfloat16, ...
         s = model.shape
-        blocks, block_size, max_rows, max_tokens = group.broadcast_header(torch.zeros(SETUP, dtype=torch.int64)).tolist()
-        kv = KVCache(s.layers, blocks, block_size, s.kv_heads, s.head_dim, next(model.parameters()).dtype, group.device,
+        setup = group.broadcast_header(torch.zeros(SETUP, dtype=torch.int64)).tolist()
+        blocks, block_size, max_rows, max_tokens, is_fp8 = setup
+        dtype = fp8.FP8 if is_fp8 else next(model.parameters()).dtype
+        kv = KVCache(s.layers, blocks, block_size, s.kv_heads, s.head_dim, dtype, group.device,
                      max_rows, max_tokens, prefix_caching=False)
         runner = Runner(model, kv, cfg.attention)
         meta = torch.zeros(META, dtype=torch.int64)
@@ -188,6 +206,10 @@ def follow(rank: int, size: int, port: int, target: str, cfg, step_timeout_s: fl
                 if m[0] == STOP:
                     break
                 payload = group.broadcast_header(torch.empty(payload_len(m), dtype=torch.int64))
-                run_step(runner, m, payload, hidden=False)
+                if m[0] == CALIBRATE:
+                    runner.calibrate(payload.tolist())
+                else:
+                    run_step(runner, m, payload, hidden=False)
     finally:
         group.close()
+    return kv

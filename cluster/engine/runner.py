@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from cluster.engine import fp8
 from cluster.engine.attention import AttnContext, make_backend
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.model import CausalLM
@@ -25,6 +26,11 @@ class Runner:
             from cluster.engine.graphs import GraphRunner
 
             self.graphs = GraphRunner(model, kv, graph_width, prefill_chunk, max_tokens, dense_to)
+
+    def calibrate(self, token_ids: list[int]) -> None:
+        """An fp8 cache's scales from one pass over `token_ids` (cluster.engine.fp8), before
+        any pass writes the cache or a graph captures the scales."""
+        self.kv.scales = fp8.calibrate(self.model, token_ids)
 
     def padded_width(self, width: int) -> int:
         """The width a row of `width` tokens is padded to in a last-only pass (a graph's)."""

@@ -1,7 +1,9 @@
 """Rank 0 of a tensor-parallel engine in its own process, for tests that need a fresh process
-group (a process holds one): `python -m tests.engine.tp_rank0 MODE TARGET DRAFT TP`.
+group (a process holds one): `python -m tests.engine.tp_rank0 MODE TARGET TP [DRAFT]`.
 
 generate: prints the greedy and seeded-sampled token ids of PROMPTS as JSON (plain decoding).
+fp8: with an fp8 KV cache and the DRAFT model drafting, prints the greedy token ids of PROMPTS
+plain and with speculation, and the fp8 scales every rank calibrated, as JSON.
 kill: starts a generation, SIGKILLs rank 1 after a few steps, and prints how rank 0's next
 steps ended (the exception's type and message, and the seconds it took) as JSON.
 """
@@ -12,14 +14,17 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from cluster.engine.config import EngineConfig
+from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.engine import Engine
 from cluster.engine.loader import load_model
-from cluster.engine.ranks import start_ranks
+from cluster.engine.ranks import follow, start_ranks
 from cluster.engine.sampling import SamplingParams
 from cluster.engine.sequence import SpecParams
 from tests.engine.conftest import CharTokenizer
@@ -29,8 +34,9 @@ GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
 
 
-def config(tp: int) -> EngineConfig:
-    return EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, max_batch_tokens=64, tensor_parallel_size=tp)
+def config(tp: int, kv_cache_dtype: str = "auto") -> EngineConfig:
+    return EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, max_batch_tokens=64, tensor_parallel_size=tp,
+                        kv_cache_dtype=kv_cache_dtype)
 
 
 def engine(target: str, tp: int, step_timeout_s: float = 120.0) -> Engine:
@@ -39,7 +45,48 @@ def engine(target: str, tp: int, step_timeout_s: float = 120.0) -> Engine:
     return Engine(load_model(target, torch.float32, "cpu", group), CharTokenizer(), cfg)
 
 
-def main(mode: str, target: str, tp: int) -> dict:
+def fp8_engine(target: str, draft: str | None, tp: int, launch=None) -> Engine:
+    """The fp8-cache engine the fp8 mode runs, and its one-process reference (tp 1)."""
+    cfg = config(tp, "fp8")
+    group = start_ranks(target, cfg, launch=launch) if tp > 1 else None
+    drafters = {"model": ModelDrafter(load_model(draft, torch.float32, "cpu"), 8, 256)} if draft else {}
+    return Engine(load_model(target, torch.float32, "cpu", group), CharTokenizer(), cfg, drafters, "model")
+
+
+def follow_saving_scales(out: str, *args) -> None:
+    """A follower (cluster.engine.ranks.follow) that saves its fp8 scales to `out` after STOP."""
+    torch.save(follow(*args).scales, out)
+
+
+def saving_launcher(out_dir: str):
+    """A ranks launcher (as cluster.engine.ranks.spawn) whose followers save their scales in out_dir."""
+    def launch(rank, size, addr, port, target, cfg, step_timeout_s):
+        ctx = torch.multiprocessing.get_context("spawn")
+        p = ctx.Process(target=follow_saving_scales, daemon=True, name=f"tp-rank-{rank}",
+                        args=(f"{out_dir}/rank{rank}.pt", rank, size, port, target, cfg, step_timeout_s, addr))
+        p.start()
+        return p
+    return launch
+
+
+def fp8_tokens(e: Engine) -> dict:
+    plain = e.generate(PROMPTS, GREEDY, SpecParams("off"))
+    spec = e.generate(PROMPTS, GREEDY, SpecParams("fixed", 4), "model")
+    return {"plain": [r["token_ids"] for r in plain], "spec": [r["token_ids"] for r in spec],
+            "drafted": sum(r["spec"]["drafted"] for r in spec), "held": list(e.kv.held())}
+
+
+def main(mode: str, target: str, tp: int, draft: str | None = None) -> dict:
+    if mode == "fp8":
+        with tempfile.TemporaryDirectory() as tmp:
+            e = fp8_engine(target, draft, tp, saving_launcher(tmp))
+            try:
+                out = fp8_tokens(e)
+            finally:
+                e.close()
+            followers = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(1, tp)]
+        out["scales"] = [s.tolist() for s in [e.kv.scales] + followers]
+        return out
     if mode == "generate":
         e = engine(target, tp)
         try:
@@ -66,4 +113,4 @@ def main(mode: str, target: str, tp: int) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]))))
+    print(json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:])))
