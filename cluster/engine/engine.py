@@ -228,12 +228,15 @@ class Engine:
     def _gammas(self) -> dict[str, int]:
         rows = [s for s in self.scheduler.running if s.prefilled]
         auto = self.controller.gamma(len(rows), self.cluster_inflight) if self.controller else self.cfg.gamma
-        out = {}
+        out, gamma_max, default = {}, self.cfg.gamma_max, self.default_drafter
         for s in rows:
-            g = {"off": 0, "fixed": s.spec.gamma}.get(s.spec.mode, auto)
-            if (s.drafter or self.default_drafter) is None:
+            mode = s.spec.mode
+            g = 0 if mode == "off" else s.spec.gamma if mode == "fixed" else auto
+            if g and (s.drafter or default) is not None:
+                g = max(0, min(g, gamma_max, self._left(s) - 1))
+            else:
                 g = 0
-            out[s.seq_id] = max(0, min(g, self.cfg.gamma_max, self._left(s) - 1))
+            out[s.seq_id] = g
         return out
 
     def _verify(self) -> tuple[list[Sequence], StepObservation | None]:
@@ -307,22 +310,24 @@ class Engine:
     def _accept(self, seqs: list[Sequence], new: list[list[int]], num_draft: list[int],
                 logprobs: list | None = None) -> list[Sequence]:
         now = time.perf_counter()
+        totals, settle = self.totals, self.scheduler.settle
         for b, (seq, toks, g) in enumerate(zip(seqs, new, num_draft)):
             lps = logprobs[b] if logprobs is not None else None
-            if seq.prefilled and seq.num_output:
-                seq.stats.record(g, len(toks) - 1)
-                self.totals["verify_steps"] += 1
-                self.totals["drafted"] += g
-                self.totals["accepted"] += len(toks) - 1
-            seq.num_cached = len(seq.token_ids) - 1 + len(toks)  # fed last token + accepted drafts
-            if seq.stats.first_token is None:
-                seq.stats.first_token = now
-            seq.stats.token_times.append(now)
+            stats, ids = seq.stats, seq.token_ids
+            if len(ids) > len(seq.prompt_ids) and seq.prefilled:  # a verify step's row
+                stats.record(g, len(toks) - 1)
+                totals["verify_steps"] += 1
+                totals["drafted"] += g
+                totals["accepted"] += len(toks) - 1
+            seq.num_cached = len(ids) - 1 + len(toks)  # fed last token + accepted drafts
+            if stats.first_token is None:
+                stats.first_token = now
+            stats.token_times.append(now)
             for i, t in enumerate(toks):
-                seq.token_ids.append(t)
+                ids.append(t)
                 if lps is not None:  # kept in step with token_ids: a stop below drops the rest of both
                     seq.logprobs.append(lps[i])
-                self.totals["tokens"] += 1
+                totals["tokens"] += 1
                 reason = self._stop_reason(seq, t)
                 if reason:
                     seq.finish_reason = reason
@@ -330,7 +335,7 @@ class Engine:
             if seq.finish_reason:
                 self._release(seq, seq.finish_reason)
             else:
-                self.scheduler.settle(seq)
+                settle(seq)
         return seqs
 
     def _keep_hidden(self, seqs: list[Sequence], hidden: torch.Tensor, ends: list[int] | None = None) -> list[Sequence]:
@@ -343,11 +348,13 @@ class Engine:
         return seqs
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if token == self.eos and not seq.params.ignore_eos:
+        p = seq.params
+        if token == self.eos and not p.ignore_eos:
             return "eos"
         if seq.detok.add(token):
             return "stop"
-        if seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        n = len(seq.token_ids)
+        if n - len(seq.prompt_ids) >= p.max_tokens or n >= self.max_model_len:
             return "length"
         return None
 
