@@ -230,13 +230,9 @@ class Engine:
         auto = self.controller.gamma(len(rows), self.cluster_inflight) if self.controller else self.cfg.gamma
         out, gamma_max, default = {}, self.cfg.gamma_max, self.default_drafter
         for s in rows:
-            mode = s.spec.mode
-            g = 0 if mode == "off" else s.spec.gamma if mode == "fixed" else auto
-            if g and (s.drafter or default) is not None:
-                g = max(0, min(g, gamma_max, self._left(s) - 1))
-            else:
-                g = 0
-            out[s.seq_id] = g
+            g = 0 if s.spec.mode == "off" else s.spec.gamma if s.spec.mode == "fixed" else auto
+            has_drafter = (s.drafter or default) is not None
+            out[s.seq_id] = max(0, min(g, gamma_max, self._left(s) - 1)) if g and has_drafter else 0
         return out
 
     def _verify(self) -> tuple[list[Sequence], StepObservation | None]:
@@ -259,7 +255,8 @@ class Engine:
                 self.pipeline.interrupt()
             logits, hidden, aux = self.runner.forward([s.kv.row for s in seqs], [s.num_cached for s in seqs], feeds,
                                                       last_only=False, trees=drafts.parents, hidden=True, aux=True)
-            self.planner.ask_ahead(rows, drafts)  # on a GPU the verify pass runs meanwhile
+            if any(drafts.tokens):  # on a GPU the verify pass runs meanwhile
+                self.planner.ask_ahead(rows, drafts)
             result = self._acceptance(seqs, logits, drafts)
             if drafts.parents is not None:  # tree rows: the accepted path's K/V moves up behind the root
                 for b, s in enumerate(seqs):
@@ -348,15 +345,12 @@ class Engine:
         return seqs
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if token == self.eos and not p.ignore_eos:
+        if token == self.eos and not seq.params.ignore_eos:
             return "eos"
         if seq.detok.add(token):
             return "stop"
         n = len(seq.token_ids)
-        if n - len(seq.prompt_ids) >= p.max_tokens or n >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if n - len(seq.prompt_ids) >= seq.params.max_tokens or n >= self.max_model_len else None
 
     def _release(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
