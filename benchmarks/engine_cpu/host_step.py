@@ -213,15 +213,19 @@ def run(args) -> None:
 
 
 def summarise(runs: list[list[dict]]) -> list[dict]:
-    """Per (batch, mode): the median over rounds of each round's median."""
+    """Per (batch, mode): each phase's median over rounds of each round's median, and host_ms,
+    their sum without the model pass (a sum of medians: one slow phase in one step of a busy
+    machine moves it less than the median of whole steps, `host_ms_step`)."""
     out = []
     for i, first in enumerate(runs[0]):
         rs = [r[i] for r in runs]
         med = lambda f: statistics.median(f(r) for r in rs)  # noqa: E731
+        phases = {k: med(lambda r: r["phases_ms"][k]) for k in ORDER}  # noqa: B023
         out.append({"batch": first["batch"], "mode": first["mode"], "step_ms": med(lambda r: r["step_ms"]),
-                    "host_ms": med(lambda r: r["host_ms"]), "host_ms_all": [r["host_ms"] for r in rs],
-                    "tokens_per_step": first["tokens_per_step"],
-                    "phases_ms": {k: med(lambda r: r["phases_ms"][k]) for k in ORDER}})
+                    "host_ms": sum(v for k, v in phases.items() if k != "model"),
+                    "host_ms_step": med(lambda r: r["host_ms"]),
+                    "host_ms_rounds": [sum(v for k, v in r["phases_ms"].items() if k != "model") for r in rs],
+                    "tokens_per_step": first["tokens_per_step"], "phases_ms": phases})
     return out
 
 
@@ -236,7 +240,7 @@ def plot(path: Path, summary: dict) -> None:
             pts = [r for r in rs if r["mode"] == mode]
             a.plot([r["batch"] for r in pts], [r["host_ms"] for r in pts], style, label=f"{label}, {mode}")
     batches = sorted({r["batch"] for rs in summary.values() for r in rs})
-    a.set(xscale="log", xlabel="sequences in the step", ylabel="host ms per step (step minus model pass)",
+    a.set(xscale="log", xlabel="sequences in the step", ylabel="host ms per step (phases but the model pass)",
           title="Engine host time per step, CPU, tiny model")
     a.set_xticks(batches, [str(x) for x in batches])
     # stacked phases at the largest batch, each label and mode a bar
@@ -268,9 +272,17 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--profile", action="store_true", help="cProfile the largest batch; top functions to stdout")
     ap.add_argument("--out", default=str(HERE))
+    ap.add_argument("--replot", help="a host_step.json to summarise and plot again")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    worker(args) if args.worker else run(args)
+    if args.replot:  # summary and plot again from a written JSON's rounds
+        path = Path(args.replot)
+        data = json.loads(path.read_text())
+        data["summary"] = {label: summarise(runs) for label, runs in data["runs"].items()}
+        path.write_text(json.dumps(data, indent=2))
+        plot(path, data["summary"])
+    else:
+        worker(args) if args.worker else run(args)
     return 0
 
 
