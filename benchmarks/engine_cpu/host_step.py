@@ -240,9 +240,10 @@ def plot(path: Path, summary: dict) -> None:
             pts = [r for r in rs if r["mode"] == mode]
             a.plot([r["batch"] for r in pts], [r["host_ms"] for r in pts], style, label=f"{label}, {mode}")
     batches = sorted({r["batch"] for rs in summary.values() for r in rs})
-    a.set(xscale="log", xlabel="sequences in the step", ylabel="host ms per step (phases but the model pass)",
-          title="Engine host time per step, CPU, tiny model")
+    a.set(xscale="log", yscale="log", xlabel="sequences in the step",
+          ylabel="host ms per step (phases but the model pass)", title="Engine host time per step, CPU, tiny model")
     a.set_xticks(batches, [str(x) for x in batches])
+    a.set_xticks([], minor=True)
     # stacked phases at the largest batch, each label and mode a bar
     bars = [(f"{label}\n{r['mode']}", r) for label, rs in summary.items() for r in rs if r["batch"] == batches[-1]]
     bottom = [0.0] * len(bars)
