@@ -64,14 +64,13 @@ def _accept_chains(logits, params, generators, drafts, q_ids, q_probs) -> list[l
     G = max((len(t) for t in drafts), default=0)
     dev = logits.device
     if all(p.greedy for p in params):
-        best = logits[:, : G + 1].argmax(-1).tolist()
-        out = []
-        for row, t in zip(best, drafts):
-            n = 0
-            while n < len(t) and t[n] == row[n]:
-                n += 1
-            out.append(row[: n + 1])
-        return out
+        best = logits[:, : G + 1].argmax(-1)
+        if not G:
+            return best.tolist()
+        # drafts stand while they equal the argmax: one comparison over the batch, not a loop a row
+        padded = torch.tensor([list(t) + [-1] * (G - len(t)) for t in drafts], dtype=torch.int64, device=dev)
+        num_acc = (best[:, :G] == padded).int().cumprod(-1).sum(-1).tolist()
+        return [row[: n + 1] for row, n in zip(best.tolist(), num_acc)]
     p = target_probs(logits[:, : G + 1].reshape(-1, vocab), params, G + 1).view(B, G + 1, vocab)
     q = torch.zeros((B, G, vocab), device=dev)
     draft_ids = torch.full((B, G), -1, dtype=torch.int64)

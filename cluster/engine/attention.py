@@ -55,7 +55,7 @@ class AttnContext:
         src = None
         if any(n < width for n in q_lens):  # index lists from the host: no sync in the layers
             src = t([b * width + i for b, n in enumerate(q_lens) for i in range(n)])
-        max_kv = max(c + width for c in cache_lens)
+        max_kv = max(cache_lens) + width
         return cls(rows_t, lens_t, q_t, pos, width, max_kv, src, kv.tables)
 
 

@@ -228,12 +228,11 @@ class Engine:
     def _gammas(self) -> dict[str, int]:
         rows = [s for s in self.scheduler.running if s.prefilled]
         auto = self.controller.gamma(len(rows), self.cluster_inflight) if self.controller else self.cfg.gamma
-        out = {}
+        out, gamma_max, default = {}, self.cfg.gamma_max, self.default_drafter
         for s in rows:
-            g = {"off": 0, "fixed": s.spec.gamma}.get(s.spec.mode, auto)
-            if (s.drafter or self.default_drafter) is None:
-                g = 0
-            out[s.seq_id] = max(0, min(g, self.cfg.gamma_max, self._left(s) - 1))
+            g = 0 if s.spec.mode == "off" else s.spec.gamma if s.spec.mode == "fixed" else auto
+            has_drafter = (s.drafter or default) is not None
+            out[s.seq_id] = max(0, min(g, gamma_max, self._left(s) - 1)) if g and has_drafter else 0
         return out
 
     def _verify(self) -> tuple[list[Sequence], StepObservation | None]:
@@ -256,7 +255,8 @@ class Engine:
                 self.pipeline.interrupt()
             logits, hidden, aux = self.runner.forward([s.kv.row for s in seqs], [s.num_cached for s in seqs], feeds,
                                                       last_only=False, trees=drafts.parents, hidden=True, aux=True)
-            self.planner.ask_ahead(rows, drafts)  # on a GPU the verify pass runs meanwhile
+            if any(drafts.tokens):  # on a GPU the verify pass runs meanwhile
+                self.planner.ask_ahead(rows, drafts)
             result = self._acceptance(seqs, logits, drafts)
             if drafts.parents is not None:  # tree rows: the accepted path's K/V moves up behind the root
                 for b, s in enumerate(seqs):
@@ -307,22 +307,24 @@ class Engine:
     def _accept(self, seqs: list[Sequence], new: list[list[int]], num_draft: list[int],
                 logprobs: list | None = None) -> list[Sequence]:
         now = time.perf_counter()
+        totals, settle = self.totals, self.scheduler.settle
         for b, (seq, toks, g) in enumerate(zip(seqs, new, num_draft)):
             lps = logprobs[b] if logprobs is not None else None
-            if seq.prefilled and seq.num_output:
-                seq.stats.record(g, len(toks) - 1)
-                self.totals["verify_steps"] += 1
-                self.totals["drafted"] += g
-                self.totals["accepted"] += len(toks) - 1
-            seq.num_cached = len(seq.token_ids) - 1 + len(toks)  # fed last token + accepted drafts
-            if seq.stats.first_token is None:
-                seq.stats.first_token = now
-            seq.stats.token_times.append(now)
+            stats, ids = seq.stats, seq.token_ids
+            if len(ids) > len(seq.prompt_ids) and seq.prefilled:  # a verify step's row
+                stats.record(g, len(toks) - 1)
+                totals["verify_steps"] += 1
+                totals["drafted"] += g
+                totals["accepted"] += len(toks) - 1
+            seq.num_cached = len(ids) - 1 + len(toks)  # fed last token + accepted drafts
+            if stats.first_token is None:
+                stats.first_token = now
+            stats.token_times.append(now)
             for i, t in enumerate(toks):
-                seq.token_ids.append(t)
+                ids.append(t)
                 if lps is not None:  # kept in step with token_ids: a stop below drops the rest of both
                     seq.logprobs.append(lps[i])
-                self.totals["tokens"] += 1
+                totals["tokens"] += 1
                 reason = self._stop_reason(seq, t)
                 if reason:
                     seq.finish_reason = reason
@@ -330,7 +332,7 @@ class Engine:
             if seq.finish_reason:
                 self._release(seq, seq.finish_reason)
             else:
-                self.scheduler.settle(seq)
+                settle(seq)
         return seqs
 
     def _keep_hidden(self, seqs: list[Sequence], hidden: torch.Tensor, ends: list[int] | None = None) -> list[Sequence]:
@@ -347,9 +349,8 @@ class Engine:
             return "eos"
         if seq.detok.add(token):
             return "stop"
-        if seq.num_output >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            return "length"
-        return None
+        n = len(seq.token_ids)
+        return "length" if n - len(seq.prompt_ids) >= seq.params.max_tokens or n >= self.max_model_len else None
 
     def _release(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

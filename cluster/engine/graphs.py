@@ -191,7 +191,7 @@ class GraphRunner:
 
     def _prepare(self, rows, cache_lens, tokens, width: int, num_layers: int | None) -> _Graph:
         """The graph for this step, its inputs copied in (rows' tokens, table rows, lengths)."""
-        b, bk = len(tokens), bucket(len(tokens))
+        bk = bucket(len(tokens))
         key = (bk, width, num_layers)
         g = self.graphs.get(key)
         if g is None:
@@ -199,14 +199,7 @@ class GraphRunner:
             g = self.graphs[key] = _Graph(self.model, self.kv, bk, width, self.pool, num_layers,
                                           self._logits(bk, width) if width <= self.max_width else None, self.aux)
         g.copied.synchronize()
-        host = g.host.numpy()
-        n = bk * width
-        host[:] = 0
-        host[n:n + bk] = self.kv.scratch_row  # padding rows
-        for i, t in enumerate(tokens):
-            host[i * width: i * width + len(t)] = t
-        host[n:n + b] = rows
-        host[n + bk:n + bk + b] = cache_lens
+        fill_inputs(g.host.numpy(), tokens, rows, cache_lens, width, bk, self.kv.scratch_row)
         g.inputs.copy_(g.host, non_blocking=True)
         g.copied.record()
         return g
@@ -221,3 +214,17 @@ class GraphRunner:
         g.lens[:b].add_(1)
         g.graph.replay()
         return g.out[:b]
+
+
+def fill_inputs(host, tokens, rows, cache_lens, width: int, bk: int, scratch_row: int) -> None:
+    """A graph's one input buffer (numpy int64 view of its pinned memory): ids [bk, width]
+    (rows' tokens, 0 past each), then table rows [bk] (padding rows: the scratch row), then
+    lengths [bk]. The ids go in as one flat list: a numpy slice assignment a row cost ~0.7 us
+    each, most of this at 256 rows."""
+    b, n = len(tokens), bk * width
+    host[:] = 0
+    host[n:n + bk] = scratch_row
+    if b:
+        host[:b * width] = [x for t in tokens for x in (t if len(t) == width else list(t) + [0] * (width - len(t)))]
+    host[n:n + b] = rows
+    host[n + bk:n + bk + b] = cache_lens

@@ -86,23 +86,33 @@ class KVCache:
         self._set(h, 0)
         return n
 
+    # grow, shrink and commit run for every row of every step and mostly have nothing to
+    # do: each first checks that in place (the same test the pool makes) before calling it
+
     def blocks_needed(self, h: KVHandle, num_tokens: int) -> int:
-        return self.pool.can_grow(h.table, min(num_tokens, self.max_tokens))
+        need = -(-min(num_tokens, self.max_tokens) // self.block_size) - len(h.table.blocks)
+        return need if need > 0 else 0
 
     def grow(self, h: KVHandle, num_tokens: int) -> None:
         """Blocks for the first `num_tokens` positions (OutOfBlocks if the pool lacks them)."""
         start = len(h.table.blocks)
+        if start * self.block_size >= min(num_tokens, self.max_tokens):
+            return
         self.pool.grow(h.table, min(num_tokens, self.max_tokens))
         self._set(h, start)
 
     def shrink(self, h: KVHandle, num_tokens: int) -> None:
         """Give back blocks past the first `num_tokens` positions."""
-        before = len(h.table.blocks)
-        self.pool.shrink(h.table, num_tokens)
-        self._reset(h.row, len(h.table.blocks), before)
+        t = h.table
+        before = len(t.blocks)
+        if before <= len(t.hashes) or before * self.block_size < num_tokens + self.block_size:
+            return  # nothing past what num_tokens need (or the cached prefix) to give back
+        self.pool.shrink(t, num_tokens)
+        self._reset(h.row, len(t.blocks), before)
 
     def commit(self, h: KVHandle, tokens: list[int], num_final: int) -> None:
-        self.pool.commit(h.table, tokens, num_final)
+        if num_final // self.block_size > len(h.table.hashes):  # a block became full and final
+            self.pool.commit(h.table, tokens, num_final)
 
     def close(self, h: KVHandle) -> None:
         """Release the sequence's blocks (cached ones stay reusable) and its row."""

@@ -68,9 +68,8 @@ class Runner:
             depth, ctx.tree_mask = tree_layout(trees, ctx.width, self.device)
             ctx.positions = ctx.cache_lens[:, None] + depth
         assert ctx.max_kv <= self.kv.max_tokens, "past the block table's width"
-        ids = torch.zeros((len(tokens), ctx.width), dtype=torch.int64)
-        for b, t in enumerate(tokens):
-            ids[b, : len(t)] = torch.tensor(t)
+        w = ctx.width  # one host tensor from padded lists: a tensor a row cost ~4 us each
+        ids = torch.tensor([t if len(t) == w else list(t) + [0] * (w - len(t)) for t in tokens], dtype=torch.int64)
         return self.run(ids.to(self.device), ctx, last_only, num_layers, hidden, aux)
 
     def run(self, ids: torch.Tensor, ctx: AttnContext, last_only: bool, num_layers: int | None, hidden: bool,

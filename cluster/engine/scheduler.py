@@ -67,12 +67,13 @@ class Scheduler:
     def _room(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow seq's blocks to `num_tokens` positions, preempting running sequences newer
         than it, newest first, as needed. False: not even that frees enough."""
-        while self.kv.blocks_needed(seq.kv, num_tokens) > self.kv.pool.num_free:
+        while (need := self.kv.blocks_needed(seq.kv, num_tokens)) > self.kv.pool.num_free:
             newer = self.running[self.running.index(seq) + 1:]
             if not newer:
                 return False
             self.preempt(newer[-1])
-        self.kv.grow(seq.kv, num_tokens)
+        if need:
+            self.kv.grow(seq.kv, num_tokens)
         return True
 
     def _admit(self) -> None:
@@ -116,6 +117,7 @@ class Scheduler:
         """(sequence, gamma) rows whose gamma+1 tokens fit the budget (gammas shrink to fit
         it) and the pool (the newest sequences are preempted to fit it)."""
         rows = [s for s in self.running if s.prefilled]
+        live = len(rows)
         budget = self.cfg.max_batch_tokens
         if len(rows) > budget:  # more sequences than tokens: plain decoding for a budget's worth
             rows = rows[:budget]
@@ -137,9 +139,9 @@ class Scheduler:
             out.append((s, g))
         if self.preemptions != preempted:
             out = [(s, g) for s, g in out if s.kv is not None]
+            live = sum(1 for s in self.running if s.prefilled)
         # rotate so a budget-limited subset does not starve the tail
-        live = [s for s in self.running if s.prefilled]
-        if len(out) < len(live):
+        if len(out) < live:
             done = {s.seq_id for s, _ in out}
             self.running = [s for s in self.running if s.seq_id not in done] + [s for s, _ in out]
         return out

@@ -119,7 +119,8 @@ class Sequence:
 
     @property
     def prefilled(self) -> bool:
-        return self.num_cached >= self.prefill_target
+        n = len(self.token_ids)  # prefill_target inlined: read for every row several times a step
+        return self.num_cached >= (n - 1 if n > len(self.prompt_ids) else n)
 
     @property
     def finished(self) -> bool:

@@ -29,11 +29,9 @@ class Detokenizer:
 
     def _decode(self, final: bool = False) -> str:
         if self.read < len(self.ids):
-            if self.fast:
-                dec = lambda a, b: self.backend.decode(self.ids[a:b], skip_special_tokens=True)  # noqa: E731
-            else:
-                dec = lambda a, b: self.tokenizer.decode(self.ids[a:b], skip_special_tokens=True)  # noqa: E731
-            before, now = dec(self.prefix, self.read), dec(self.prefix, len(self.ids))
+            dec, ids = (self.backend if self.fast else self.tokenizer).decode, self.ids
+            before = dec(ids[self.prefix:self.read], skip_special_tokens=True)
+            now = dec(ids[self.prefix:], skip_special_tokens=True)
             if len(now) > len(before) and (final or not now.endswith("\ufffd")):
                 self.text += now[len(before):]
                 self.prefix, self.read = max(self.read - 4, 0), len(self.ids)
