@@ -256,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
             "training": {"sequences": len(data[0]), "steps": len(losses), "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
                          "seconds": round(time.monotonic() - t0, 1),
                          **{k: v for k, v in vars(args).items() if k not in ("target", "out", "threads")}}}
+    if args.init:  # what the head it continued had been through, and its figures then
+        import json
+
+        before = json.loads((Path(args.init) / "config.json").read_text()).get("spec_cluster", {})
+        meta["training_before"] = before.get("training", {}) | {"validation_top1_by_step": before.get("validation_top1_by_step")}
     out = Path(args.out or Path(args.target) / OUT_DIR)
     path = save_head(head.cpu(), out, meta)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB) and {out / 'config.json'}")
