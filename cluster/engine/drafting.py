@@ -77,9 +77,11 @@ class DraftPlanner:
             res = self._result(name, fut)
             _ewma(self.fresh_s, name, time.perf_counter() - t, start=0.0)
             if res is not None:
+                unread = res.unread or [False] * len(fresh[name])
                 for j, b in enumerate(fresh[name]):
                     self._fill(out, b, res, j, 0, rows[b][1])
-                    rows[b][0].aux = None  # the drafter has these aux states now
+                    if not unread[j]:
+                        rows[b][0].aux = None  # the drafter has these aux states now
         self.steps += 1
         return out
 

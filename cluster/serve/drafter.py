@@ -176,14 +176,21 @@ class _Pending(Future):
             self.owner._failed(self.release)
             raise
         self.owner.recent_s.append(time.monotonic() - self.sent)
-        self.owner._succeeded(self.requests, getattr(self.response, "resync", None))
+        resync = getattr(self.response, "resync", None)
+        self.owner._succeeded(self.requests, resync)
+        if resync and any(resync):  # those rows' aux states were dropped there: send them again
+            out.unread = list(resync)
         return out
 
 
 def _no_drafts(n: int) -> Future:
+    """The reply of a step skipped while the drafter is down: nothing was sent, so every row
+    is `unread` and the verifier keeps accumulating its aux states (EAGLE-3) for the replica
+    to catch up on when it answers again, instead of dropping them and leaving a hole in
+    the head's context (it would then restart from the first position it gets)."""
     fut: Future = Future()
     empty = np.zeros((0, 1), np.int32), np.zeros((0, 1), np.float32)
-    fut.set_result(DraftOutput([[] for _ in range(n)], [empty[0]] * n, [empty[1]] * n))
+    fut.set_result(DraftOutput([[] for _ in range(n)], [empty[0]] * n, [empty[1]] * n, unread=[True] * n))
     return fut
 
 

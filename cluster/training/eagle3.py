@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from cluster.engine.drafters.eagle3_head import Eagle3Head, HeadConfig
-from cluster.engine.drafters.eagle3_load import default_aux_layers, save_head
+from cluster.engine.drafters.eagle3_load import default_aux_layers, load_head, save_head
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.runner import Runner
 from cluster.training.medusa import DEMO_TARGET, continuations, frozen_target, prompt_windows
@@ -206,6 +206,8 @@ def parse_args(argv):
     ap.add_argument("--target", default=str(DEMO_TARGET), help="target HF model directory")
     ap.add_argument("--out", help=f"head directory (default: {OUT_DIR}/ beside the target)")
     ap.add_argument("--aux-layers", help="target layers feeding fc, e.g. 1,3,5 (default: low/middle/high)")
+    ap.add_argument("--init", help="continue training this head (its aux layers, draft vocabulary and weights): "
+                    "a run longer than one time budget, on fresh sequences with another --seed")
     ap.add_argument("--draft-vocab", type=int, default=2048, help="draft vocabulary size (d2t/t2d)")
     ap.add_argument("--prompts", type=int, default=512, help="training sequences")
     ap.add_argument("--prompt-len", type=int, default=32)
@@ -228,15 +230,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
     model, tok = frozen_target(args, args.device)
-    aux_layers = (tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers
-                  else pick_aux_layers(model.shape.layers))
+    s = model.shape
+    head = (load_head(args.init, s.layers, torch.float32, args.device, model.embed_tokens.weight, s.vocab_size,
+                      s.max_positions) if args.init else None)
+    aux_layers = (head.cfg.aux_layers if head else tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers
+                  else pick_aux_layers(s.layers))
     model.aux_layers = aux_layers
     seqs = make_sequences(model, tok, "train", args.prompts, args, args.seed)
-    ids, coverage = draft_vocab(seqs, model.shape.vocab_size, args.draft_vocab)
+    ids, coverage = draft_vocab(seqs, s.vocab_size, args.draft_vocab)
+    if head:  # its own draft vocabulary, and what it covers of these sequences
+        ids = head.target_ids(torch.arange(head.cfg.draft_vocab, device=args.device)).sort().values
+        counts = torch.bincount(seqs.flatten(), minlength=s.vocab_size)
+        coverage = (counts[ids.cpu()].sum() / counts.sum()).item()
     ids = ids.to(args.device)
     data = features(model, seqs, ids)
     val = features(model, make_sequences(model, tok, "val", args.eval_prompts, args, args.seed + 1), ids)
-    head = new_head(model, aux_layers, ids).to(args.device)
+    head = head or new_head(model, aux_layers, ids).to(args.device)
     before = evaluate(head, val, ids, args.ttt_steps)
     losses = train(head, data, ids, args)
     acc = evaluate(head, val, ids, args.ttt_steps)
@@ -247,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
             "training": {"sequences": len(data[0]), "steps": len(losses), "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
                          "seconds": round(time.monotonic() - t0, 1),
                          **{k: v for k, v in vars(args).items() if k not in ("target", "out", "threads")}}}
+    if args.init:  # what the head it continued had been through, and its figures then
+        import json
+
+        before = json.loads((Path(args.init) / "config.json").read_text()).get("spec_cluster", {})
+        meta["training_before"] = before.get("training", {}) | {"validation_top1_by_step": before.get("validation_top1_by_step")}
     out = Path(args.out or Path(args.target) / OUT_DIR)
     path = save_head(head.cpu(), out, meta)
     print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB) and {out / 'config.json'}")

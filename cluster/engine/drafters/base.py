@@ -56,6 +56,10 @@ class DraftOutput:
     # per request, a tree instead of a chain: each draft's parent draft, -1 for the last
     # accepted token (parents first; see cluster.engine.tree). None: every row is a chain.
     parents: list[list[int] | None] | None = None
+    # per request, True where the drafter did not take what the request carried (a remote
+    # drafter skipped while down, a replica that asked to resync): the verifier keeps those
+    # aux states and sends them again, so the drafter's context has no hole. None: all taken.
+    unread: list[bool] | None = None
 
 
 def one_hot(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
