@@ -66,9 +66,11 @@ def payload_len(meta: list[int]) -> int:
     return 3 * b + b * width + max(num_src, 0) + 3 * num_updates
 
 
-def run_step(runner: Runner, meta: list[int], payload: torch.Tensor, hidden: bool):
+def run_step(runner: Runner, meta: list[int], payload: torch.Tensor, hidden: bool, aux: bool = False):
     """One pass from its header, the same on every rank: rank 0 gets Runner.forward's result,
-    followers None (or (None, h))."""
+    followers None (or (None, h)). `aux` is rank 0's alone: the residual stream is whole and
+    the same on every rank after each all-reduce, so capturing it there costs no collective
+    and the followers' pass stays as it is."""
     _, b, width, num_updates, max_kv, num_src, last_only, num_layers = meta
     rows, lens, q_lens, ids, src, updates = payload.split([b, b, b, b * width, max(num_src, 0), 3 * num_updates])
     if num_updates:
@@ -78,7 +80,7 @@ def run_step(runner: Runner, meta: list[int], payload: torch.Tensor, hidden: boo
     pos = lens[:, None] + torch.arange(width, device=dev)
     ctx = AttnContext(rows, lens, q_lens, pos, width, max_kv, src.to(dev) if num_src >= 0 else None, runner.kv.tables)
     ctx.splits = runner._splits(b, width, max_kv)
-    return runner.run(ids.view(b, width).to(dev), ctx, bool(last_only), num_layers or None, hidden)
+    return runner.run(ids.view(b, width).to(dev), ctx, bool(last_only), num_layers or None, hidden, aux)
 
 
 class ParallelRunner(Runner):
@@ -100,16 +102,15 @@ class ParallelRunner(Runner):
 
     @torch.inference_mode()
     def forward(self, rows, cache_lens, tokens, last_only, num_layers=None, trees=None, hidden=False, aux=False):
-        """As Runner.forward; `aux`: a third result, None (the ranks capture no aux hidden
-        states yet: an EAGLE-3 head is refused under tensor parallelism at build)."""
+        """As Runner.forward; `aux`: rank 0's capture of the aux layers' inputs (the residual
+        stream, replicated on every rank), as one process captures them."""
         if trees is not None and any(t is not None for t in trees):
             raise NotImplementedError("draft trees are not verified under tensor parallelism yet")
         meta, payload = encode(self.kv.take_updates(), rows, cache_lens, tokens, last_only, num_layers)
         with self._failures():
             self.group.broadcast_header(meta)
             self.group.broadcast_header(payload)
-            out = run_step(self, meta.tolist(), payload, hidden or aux)
-        return (*out, None) if aux else out
+            return run_step(self, meta.tolist(), payload, hidden, aux)
 
     @torch.inference_mode()
     def decode(self, rows, cache_lens, tokens: torch.Tensor) -> torch.Tensor:

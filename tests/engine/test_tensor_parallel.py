@@ -185,6 +185,20 @@ def test_fp8_cache_matches_one_process_on_every_rank(random_models):
     torch.testing.assert_close(rank0, one.kv.scales, rtol=1e-5, atol=0)
 
 
+def test_eagle3_head_matches_one_process(demo_pair):
+    """The demo target's EAGLE-3 head drafting chains over 2 ranks (as build_engine builds
+    it, rank 0 in its own process): rank 0 captures the aux layers' inputs, the residual
+    stream every rank holds whole, so the head sees the one-process states and drafts the
+    same tokens; greedy tokens and each request's drafted and accepted counts are the
+    one-process engine's."""
+    want = _rank0("eagle3", demo_pair[0], 1, timeout=300)
+    got = _rank0("eagle3", demo_pair[0], 2, timeout=300)
+    assert got["tokens"] == want["tokens"]
+    assert got["drafted"] == want["drafted"] and got["accepted"] == want["accepted"]
+    assert sum(got["accepted"]) > 0, "the head's drafts were accepted"
+    assert got["held"] == [0, 0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,tp", [("qwen2", 2), ("llama", 4)])
 def test_other_splits_match_one_process(random_models, model, tp):
