@@ -132,8 +132,8 @@ def build_engine(cfg: ClusterConfig, remote: Drafter | dict[str, Drafter] | None
     default = None if cfg.models.drafter == "none" else cfg.models.drafter
     if default == "medusa" and not has_heads(target):
         raise ValueError(f"drafter 'medusa' needs {HEADS_FILE} in {target} (spec-cluster models train-medusa)")
-    if default == "medusa" and ec.tensor_parallel_size > 1:
-        raise ValueError("drafter 'medusa' is not supported with tensor_parallel_size > 1 yet")
+    if default == "medusa" and group is not None and (Path(target) / "embed.json").is_file():
+        raise ValueError("drafter 'medusa' over an embedded target is not supported with tensor_parallel_size > 1")
     if default == "eagle3" and "eagle3" not in drafters:
         raise ValueError(f"drafter 'eagle3' needs models.eagle3 or a head in {target}/{EAGLE3_DIR} "
                          "(spec-cluster models train-eagle3)")
@@ -141,7 +141,9 @@ def build_engine(cfg: ClusterConfig, remote: Drafter | dict[str, Drafter] | None
     # these two read the target's own state (hidden states, KV), so they live in its process
     engine.drafters["early-exit"] = EarlyExitDrafter(engine.runner, cfg.models.early_exit_layers
                                                      or max(1, model.shape.layers // 4))
-    if has_heads(target) and group is None:  # Medusa projects through the whole LM head; a rank holds a slice
+    # Medusa projects through the whole LM head: under tensor parallelism rank 0 reads it from
+    # the files (MedusaDrafter.load), which an embedded target has none of
+    if has_heads(target) and (group is None or not (Path(target) / "embed.json").is_file()):
         engine.drafters["medusa"] = MedusaDrafter.load(target, model)
     assert set(engine.drafters) <= set(DRAFTERS), "every drafter is in the registry"
     engine.controller = make_controller(cfg.speculation)

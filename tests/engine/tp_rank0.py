@@ -4,9 +4,9 @@ group (a process holds one): `python -m tests.engine.tp_rank0 MODE TARGET TP [DR
 generate: prints the greedy and seeded-sampled token ids of PROMPTS as JSON (plain decoding).
 fp8: with an fp8 KV cache and the DRAFT model drafting, prints the greedy token ids of PROMPTS
 plain and with speculation, and the fp8 scales every rank calibrated, as JSON.
-eagle3: TARGET's engine as build_engine makes it (its EAGLE-3 head beside it, chain drafting),
-prints the greedy token ids of PROMPTS with the head drafting and each request's drafted and
-accepted counts as JSON.
+eagle3, medusa: TARGET's engine as build_engine makes it, with the EAGLE-3 or Medusa heads
+beside it drafting chains (Medusa's top-1 chain at TP 1 too), prints the greedy token ids of
+PROMPTS and each request's drafted and accepted counts as JSON.
 kill: starts a generation, SIGKILLs rank 1 after a few steps, and prints how rank 0's next
 steps ended (the exception's type and message, and the seconds it took) as JSON.
 """
@@ -79,15 +79,17 @@ def fp8_tokens(e: Engine) -> dict:
             "drafted": sum(r["spec"]["drafted"] for r in spec), "held": list(e.kv.held())}
 
 
-def eagle3_tokens(target: str, tp: int) -> dict:
+def head_tokens(drafter: str, target: str, tp: int) -> dict:
     from cluster.config import ClusterConfig
     from cluster.serve.build import build_engine
 
-    cfg = ClusterConfig(models={"target": target, "draft": None, "drafter": "eagle3"},
+    cfg = ClusterConfig(models={"target": target, "draft": None, "drafter": drafter},
                         engine={"tensor_parallel_size": tp, "max_num_seqs": 8, "max_model_len": 256})
     e = build_engine(cfg)
+    if drafter == "medusa":  # trees are not verified under tensor parallelism: compare chains
+        e.drafters["medusa"].tree_ok = False
     try:
-        out = e.generate(PROMPTS, GREEDY, SpecParams("fixed", 4), "eagle3")
+        out = e.generate(PROMPTS, GREEDY, SpecParams("fixed", 4), drafter)
         return {"tokens": [r["token_ids"] for r in out], "drafted": [r["spec"]["drafted"] for r in out],
                 "accepted": [r["spec"]["accepted"] for r in out], "held": list(e.kv.held())}
     finally:
@@ -95,8 +97,8 @@ def eagle3_tokens(target: str, tp: int) -> dict:
 
 
 def main(mode: str, target: str, tp: int, draft: str | None = None) -> dict:
-    if mode == "eagle3":
-        return eagle3_tokens(target, tp)
+    if mode in ("eagle3", "medusa"):
+        return head_tokens(mode, target, tp)
     if mode == "fp8":
         with tempfile.TemporaryDirectory() as tmp:
             e = fp8_engine(target, draft, tp, saving_launcher(tmp))
