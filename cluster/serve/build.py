@@ -48,7 +48,7 @@ def remote_drafters(cfg: ClusterConfig) -> list[str]:
 def build_eagle3_drafter(cfg: ClusterConfig, target: CausalLM | None = None) -> Eagle3Drafter:
     """The EAGLE-3 head over `target` (sharing its embedding), or, in a drafter replica
     (target None) or over a tensor-parallel rank 0, with the target's whole embedding read
-    from its files. Chains only: draft trees are not verified under tensor parallelism."""
+    from its files."""
     from cluster.engine.loader import load_model
 
     ec = cfg.engine_config()

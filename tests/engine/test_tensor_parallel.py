@@ -199,15 +199,18 @@ def test_eagle3_head_matches_one_process(demo_pair):
     assert got["held"] == [0, 0]
 
 
-def test_medusa_heads_match_one_process(demo_pair):
-    """The demo target's Medusa heads over 2 ranks: rank 0 has the final hidden state whole
-    and projects through the whole lm_head read from the files, proposing the top-1 chain;
-    greedy tokens and drafted/accepted counts are the one-process engine's (chains too)."""
-    want = _rank0("medusa", demo_pair[0], 1, timeout=300)
-    got = _rank0("medusa", demo_pair[0], 2, timeout=300)
+@pytest.mark.parametrize("drafter", ["medusa", "eagle3-tree"])
+def test_draft_trees_match_one_process(demo_pair, drafter):
+    """Draft trees over 2 ranks: the header carries each row's parents (the followers' tree
+    mask and depth positions) and the accepted paths' KV copies, which every follower repeats
+    on its own heads. The demo target's Medusa heads (rank 0 has the final hidden state whole
+    and projects through the whole lm_head read from the files) and EAGLE-3 greedy trees give
+    the one-process greedy tokens and drafted/accepted counts."""
+    want = _rank0(drafter, demo_pair[0], 1, timeout=300)
+    got = _rank0(drafter, demo_pair[0], 2, timeout=300)
     assert got["tokens"] == want["tokens"]
     assert got["drafted"] == want["drafted"] and got["accepted"] == want["accepted"]
-    assert sum(got["accepted"]) > 0, "the heads' drafts were accepted"
+    assert sum(got["accepted"]) > 0, "the trees' drafts were accepted"
     assert got["held"] == [0, 0]
 
 

@@ -169,15 +169,14 @@ class MedusaDrafter(Drafter):
     def load(cls, target_dir: str | Path, target: nn.Module, tree: list[list[int]] | None = None) -> MedusaDrafter:
         """Heads from beside the target model `target`, on its device and dtype. Over a
         tensor-parallel rank 0, which holds a slice of the vocabulary, they project through
-        the whole lm_head read from the target's files (one more [V, D] on that rank) and
-        propose the top-1 chain: draft trees are not verified under tensor parallelism."""
+        the whole lm_head read from the target's files (one more [V, D] on that rank)."""
         p = next(target.parameters())
         heads, cfg = MedusaHeads.load(target_dir, p.dtype, p.device)
         tree = tree or cfg.get("tree") or CHAIN[: heads.num_heads]
         if getattr(target, "group", None) is None:
             return cls.for_target(heads, target, tree)
         lm_head = whole_lm_head(target_dir, target.shape.tie_embeddings).to(p.device, p.dtype)
-        return cls(heads, lm_head, tree, trees_ok=False)
+        return cls(heads, lm_head, tree, getattr(target.backend, "supports_tree", False))
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> DraftOutput:
