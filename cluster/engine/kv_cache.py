@@ -52,6 +52,9 @@ class KVCache:
         # host tensors act as numbers in device arithmetic, and kernels take them as constants
         self.scales: torch.Tensor | None = None
         self.handles: list[KVHandle] = []  # a dense cache's rows (KVCache.dense)
+        # slot copies (src, dst) not yet sent: a tensor-parallel rank 0 sets a list and sends
+        # them to its followers before the next pass (cluster.engine.ranks); None: not kept
+        self.moved: list[tuple[int, int]] | None = None
 
     @classmethod
     def dense(cls, num_layers: int, num_rows: int, max_tokens: int, kv_heads: int, head_dim: int,
@@ -146,6 +149,17 @@ class KVCache:
     def slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat cache index (block * block_size + offset) of each position [B, T] of each row [B]."""
         return slot_index(self.tables, rows, positions, self.block_size)
+
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V at flat slots src to slots dst in every layer (a tree's accepted path
+        moving up behind its root)."""
+        dev = self.k.device
+        s, d = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+        for cache in (self.k, self.v):
+            flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
+            flat[:, d] = flat[:, s]  # the gather is materialised before the write
+        if self.moved is not None:
+            self.moved += zip(src, dst)
 
     def host_slots(self, h: KVHandle, positions: list[int]) -> list[int]:
         bs = self.block_size

@@ -2,8 +2,9 @@
 
 Rank 0 is the ordinary Engine (scheduler, drafters, sampling) whose target runner is a
 `ParallelRunner`: before each pass it broadcasts a header, a fixed-size `meta` then one int64
-`payload` (the rows, cached lengths, token ids, which new tokens are real, and the block-table
-changes since the last pass), and then runs the pass as every rank does (`run_step`). A
+`payload` (the rows, cached lengths, token ids, which new tokens are real, draft trees'
+parents, the KV slot copies of accepted tree paths and the block-table changes since the
+last pass), and then runs the pass as every rank does (`run_step`). A
 follower holds a mirror of the KV block tables (its own KV heads' blocks, the same block ids)
 and no scheduler: per pass it receives the header, applies the table changes and runs the same
 tensor ops on its shard, joining rank 0's all-reduces and the logits gather. So the engine
@@ -31,10 +32,12 @@ from cluster.engine.attention import AttnContext
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.parallel import Group, RankFailure, free_port, init_group
 from cluster.engine.runner import Runner
+from cluster.engine.tree import tree_layout
 
 log = logging.getLogger(__name__)
 STOP, FORWARD, CALIBRATE = 0, 1, 2
-META = 8      # op, rows B, width T, table updates U, max_kv, real-token index length (-1: all), last_only, layers
+META = 10     # op, rows B, width T, table updates U, max_kv, real-token index length (-1: all), last_only, layers,
+#               tree section length (0: chains), KV slot moves M
 #               (CALIBRATE: op, tokens, 0...)
 SETUP = 5     # blocks, block_size, max_rows, max_tokens, fp8 cache (0 / 1)
 STEP_TIMEOUT_S = 120.0
@@ -42,9 +45,12 @@ DEATH_WAIT_S = 2.0  # after a failed collective, how long rank 0 looks for the f
 
 
 def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens: list[list[int]],
-           last_only: bool, num_layers: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+           last_only: bool, num_layers: int | None, trees: list[list[int] | None] | None = None,
+           moves: list[tuple[int, int]] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """The header of one pass: (meta [META], payload), host int64, built as AttnContext.build
-    builds a single process's context."""
+    builds a single process's context. Draft trees travel as each row's node count + 1 (0: a
+    chain) then the tree rows' parents; `moves`: rank 0's KV slot copies since the last pass
+    (accepted tree paths), which every follower repeats on its heads before this pass."""
     q_lens = [len(t) for t in tokens]
     b, width = len(tokens), max(q_lens)
     ids = torch.zeros((b, width), dtype=torch.int64)
@@ -52,33 +58,57 @@ def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens
         ids[i, : len(t)] = torch.tensor(t)
     src = [i * width + j for i, n in enumerate(q_lens) for j in range(n)] if min(q_lens) < width else []
     max_kv = max(c + width for c in cache_lens)
+    tree = []
+    if trees is not None and any(t is not None for t in trees):
+        tree = [len(t) + 1 if t is not None else 0 for t in trees] + [p for t in trees if t is not None for p in t]
+    moved = [s for s, _ in moves] + [d for _, d in moves]
     meta = torch.tensor([FORWARD, b, width, updates.shape[1], max_kv, len(src) if src else -1, int(last_only),
-                         num_layers or 0], dtype=torch.int64)
+                         num_layers or 0, len(tree), len(moves)], dtype=torch.int64)
     payload = torch.cat([torch.tensor(rows + cache_lens + q_lens, dtype=torch.int64), ids.flatten(),
-                         torch.tensor(src, dtype=torch.int64), updates.flatten()])
+                         torch.tensor(src + tree + moved, dtype=torch.int64), updates.flatten()])
     return meta, payload
 
 
 def payload_len(meta: list[int]) -> int:
     if meta[0] == CALIBRATE:
         return meta[1]
-    _, b, width, num_updates, _, num_src, _, _ = meta
-    return 3 * b + b * width + max(num_src, 0) + 3 * num_updates
+    _, b, width, num_updates, _, num_src, _, _, num_tree, num_moves = meta
+    return 3 * b + b * width + max(num_src, 0) + num_tree + 2 * num_moves + 3 * num_updates
 
 
-def run_step(runner: Runner, meta: list[int], payload: torch.Tensor, hidden: bool):
+def decode_trees(section: list[int], b: int) -> list[list[int] | None]:
+    """Each row's parents (None: a chain) from a header's tree section (see encode)."""
+    trees, at = [], b
+    for n in section[:b]:
+        trees.append(section[at:at + n - 1] if n else None)
+        at += max(n - 1, 0)
+    return trees
+
+
+def run_step(runner: Runner, meta: list[int], payload: torch.Tensor, hidden: bool, aux: bool = False):
     """One pass from its header, the same on every rank: rank 0 gets Runner.forward's result,
-    followers None (or (None, h))."""
-    _, b, width, num_updates, max_kv, num_src, last_only, num_layers = meta
-    rows, lens, q_lens, ids, src, updates = payload.split([b, b, b, b * width, max(num_src, 0), 3 * num_updates])
+    followers None (or (None, h)). `aux` is rank 0's alone: the residual stream is whole and
+    the same on every rank after each all-reduce, so capturing it there costs no collective
+    and the followers' pass stays as it is."""
+    _, b, width, num_updates, max_kv, num_src, last_only, num_layers, num_tree, num_moves = meta
+    rows, lens, q_lens, ids, src, tree, moves, updates = payload.split(
+        [b, b, b, b * width, max(num_src, 0), num_tree, 2 * num_moves, 3 * num_updates])
+    if num_moves and runner.kv.moved is None:  # a follower repeats rank 0's copies (rank 0 made them)
+        runner.kv.copy_slots(moves[:num_moves].tolist(), moves[num_moves:].tolist())
     if num_updates:
         runner.kv.apply_updates(updates.view(3, num_updates))
     dev = runner.device
     rows, lens, q_lens = rows.to(dev), lens.to(dev), q_lens.to(dev)
-    pos = lens[:, None] + torch.arange(width, device=dev)
-    ctx = AttnContext(rows, lens, q_lens, pos, width, max_kv, src.to(dev) if num_src >= 0 else None, runner.kv.tables)
+    mask = None
+    if num_tree:  # rotary positions by depth, as Runner.forward sets them for a tree
+        depth, mask = tree_layout(decode_trees(tree.tolist(), b), width, dev)
+    else:
+        depth = torch.arange(width, device=dev)
+    ctx = AttnContext(rows, lens, q_lens, lens[:, None] + depth, width, max_kv, src.to(dev) if num_src >= 0 else None,
+                      runner.kv.tables)
+    ctx.tree_mask = mask
     ctx.splits = runner._splits(b, width, max_kv)
-    return runner.run(ids.view(b, width).to(dev), ctx, bool(last_only), num_layers or None, hidden)
+    return runner.run(ids.view(b, width).to(dev), ctx, bool(last_only), num_layers or None, hidden, aux)
 
 
 class ParallelRunner(Runner):
@@ -87,6 +117,7 @@ class ParallelRunner(Runner):
     def __init__(self, model, kv: KVCache, attention: str, group: Group):
         super().__init__(model, kv, attention)  # no CUDA graphs: their collectives are not captured yet
         self.group = group
+        kv.moved = []  # tree paths' KV copies, for the followers (encode)
         with self._failures():
             group.broadcast_header(torch.tensor([kv.scratch_block, kv.block_size, kv.max_rows, kv.max_tokens,
                                                  int(kv.k.dtype == fp8.FP8)]))
@@ -100,16 +131,15 @@ class ParallelRunner(Runner):
 
     @torch.inference_mode()
     def forward(self, rows, cache_lens, tokens, last_only, num_layers=None, trees=None, hidden=False, aux=False):
-        """As Runner.forward; `aux`: a third result, None (the ranks capture no aux hidden
-        states yet: an EAGLE-3 head is refused under tensor parallelism at build)."""
-        if trees is not None and any(t is not None for t in trees):
-            raise NotImplementedError("draft trees are not verified under tensor parallelism yet")
-        meta, payload = encode(self.kv.take_updates(), rows, cache_lens, tokens, last_only, num_layers)
+        """As Runner.forward; `aux`: rank 0's capture of the aux layers' inputs (the residual
+        stream, replicated on every rank), as one process captures them."""
+        meta, payload = encode(self.kv.take_updates(), rows, cache_lens, tokens, last_only, num_layers, trees,
+                               self.kv.moved)
+        self.kv.moved.clear()
         with self._failures():
             self.group.broadcast_header(meta)
             self.group.broadcast_header(payload)
-            out = run_step(self, meta.tolist(), payload, hidden or aux)
-        return (*out, None) if aux else out
+            return run_step(self, meta.tolist(), payload, hidden, aux)
 
     @torch.inference_mode()
     def decode(self, rows, cache_lens, tokens: torch.Tensor) -> torch.Tensor:

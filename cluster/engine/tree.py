@@ -51,9 +51,5 @@ def keep_path(kv, handle, cache_len: int, path: list[int]) -> None:
     """Move the accepted nodes' K/V from feed index i + 1 to consecutive positions."""
     if path == list(range(len(path))):  # already in place (a chain, or the first branch)
         return
-    dev = kv.k.device
-    src = torch.tensor(kv.host_slots(handle, [cache_len + 1 + i for i in path]), device=dev)
-    dst = torch.tensor(kv.host_slots(handle, list(range(cache_len + 1, cache_len + 1 + len(path)))), device=dev)
-    for cache in (kv.k, kv.v):
-        flat = cache.view(cache.shape[0], -1, *cache.shape[3:])
-        flat[:, dst] = flat[:, src]  # the gather is materialised before the write
+    kv.copy_slots(kv.host_slots(handle, [cache_len + 1 + i for i in path]),
+                  kv.host_slots(handle, list(range(cache_len + 1, cache_len + 1 + len(path)))))

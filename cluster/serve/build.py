@@ -47,7 +47,8 @@ def remote_drafters(cfg: ClusterConfig) -> list[str]:
 
 def build_eagle3_drafter(cfg: ClusterConfig, target: CausalLM | None = None) -> Eagle3Drafter:
     """The EAGLE-3 head over `target` (sharing its embedding), or, in a drafter replica
-    (target None), with the target's embedding read from its files."""
+    (target None) or over a tensor-parallel rank 0, with the target's whole embedding read
+    from its files."""
     from cluster.engine.loader import load_model
 
     ec = cfg.engine_config()
@@ -56,6 +57,8 @@ def build_eagle3_drafter(cfg: ClusterConfig, target: CausalLM | None = None) -> 
         raise ValueError(f"drafter 'eagle3' needs models.eagle3 or a head in {target_dir}/{EAGLE3_DIR} "
                          "(spec-cluster models train-eagle3)")
     dtype = DTYPES[ec.dtype]
+    if target is not None and target.group is not None:  # a tensor-parallel rank holds a slice of the vocabulary
+        target = None
     if target is None and (Path(target_dir) / "embed.json").is_file():  # an embedded demo: build it
         target = load_model(target_dir, dtype, "cpu")
     if target is not None:
@@ -122,17 +125,15 @@ def build_engine(cfg: ClusterConfig, remote: Drafter | dict[str, Drafter] | None
     drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
     if cfg.models.draft:
         drafters["model"] = remote.get("model") or build_model_drafter(cfg)
-    if eagle3_dir(cfg) and ec.tensor_parallel_size == 1:  # ranks capture no aux states yet
+    if eagle3_dir(cfg):  # under tensor parallelism rank 0 captures the aux states (cluster.engine.ranks)
         if "eagle3" in remote:  # its aux layers decide what the target's passes capture
             remote["eagle3"].aux_layers = eagle3_aux_layers(cfg, model.shape.layers)
         drafters["eagle3"] = remote.get("eagle3") or build_eagle3_drafter(cfg, model)
     default = None if cfg.models.drafter == "none" else cfg.models.drafter
     if default == "medusa" and not has_heads(target):
         raise ValueError(f"drafter 'medusa' needs {HEADS_FILE} in {target} (spec-cluster models train-medusa)")
-    if default == "medusa" and ec.tensor_parallel_size > 1:
-        raise ValueError("drafter 'medusa' is not supported with tensor_parallel_size > 1 yet")
-    if default == "eagle3" and ec.tensor_parallel_size > 1:
-        raise ValueError("drafter 'eagle3' is not supported with tensor_parallel_size > 1 yet")
+    if default == "medusa" and group is not None and (Path(target) / "embed.json").is_file():
+        raise ValueError("drafter 'medusa' over an embedded target is not supported with tensor_parallel_size > 1")
     if default == "eagle3" and "eagle3" not in drafters:
         raise ValueError(f"drafter 'eagle3' needs models.eagle3 or a head in {target}/{EAGLE3_DIR} "
                          "(spec-cluster models train-eagle3)")
@@ -140,7 +141,9 @@ def build_engine(cfg: ClusterConfig, remote: Drafter | dict[str, Drafter] | None
     # these two read the target's own state (hidden states, KV), so they live in its process
     engine.drafters["early-exit"] = EarlyExitDrafter(engine.runner, cfg.models.early_exit_layers
                                                      or max(1, model.shape.layers // 4))
-    if has_heads(target) and group is None:  # Medusa projects through the whole LM head; a rank holds a slice
+    # Medusa projects through the whole LM head: under tensor parallelism rank 0 reads it from
+    # the files (MedusaDrafter.load), which an embedded target has none of
+    if has_heads(target) and (group is None or not (Path(target) / "embed.json").is_file()):
         engine.drafters["medusa"] = MedusaDrafter.load(target, model)
     assert set(engine.drafters) <= set(DRAFTERS), "every drafter is in the registry"
     engine.controller = make_controller(cfg.speculation)

@@ -185,6 +185,35 @@ def test_fp8_cache_matches_one_process_on_every_rank(random_models):
     torch.testing.assert_close(rank0, one.kv.scales, rtol=1e-5, atol=0)
 
 
+def test_eagle3_head_matches_one_process(demo_pair):
+    """The demo target's EAGLE-3 head drafting chains over 2 ranks (as build_engine builds
+    it, rank 0 in its own process): rank 0 captures the aux layers' inputs, the residual
+    stream every rank holds whole, so the head sees the one-process states and drafts the
+    same tokens; greedy tokens and each request's drafted and accepted counts are the
+    one-process engine's."""
+    want = _rank0("eagle3", demo_pair[0], 1, timeout=300)
+    got = _rank0("eagle3", demo_pair[0], 2, timeout=300)
+    assert got["tokens"] == want["tokens"]
+    assert got["drafted"] == want["drafted"] and got["accepted"] == want["accepted"]
+    assert sum(got["accepted"]) > 0, "the head's drafts were accepted"
+    assert got["held"] == [0, 0]
+
+
+@pytest.mark.parametrize("drafter", ["medusa", "eagle3-tree"])
+def test_draft_trees_match_one_process(demo_pair, drafter):
+    """Draft trees over 2 ranks: the header carries each row's parents (the followers' tree
+    mask and depth positions) and the accepted paths' KV copies, which every follower repeats
+    on its own heads. The demo target's Medusa heads (rank 0 has the final hidden state whole
+    and projects through the whole lm_head read from the files) and EAGLE-3 greedy trees give
+    the one-process greedy tokens and drafted/accepted counts."""
+    want = _rank0(drafter, demo_pair[0], 1, timeout=300)
+    got = _rank0(drafter, demo_pair[0], 2, timeout=300)
+    assert got["tokens"] == want["tokens"]
+    assert got["drafted"] == want["drafted"] and got["accepted"] == want["accepted"]
+    assert sum(got["accepted"]) > 0, "the trees' drafts were accepted"
+    assert got["held"] == [0, 0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,tp", [("qwen2", 2), ("llama", 4)])
 def test_other_splits_match_one_process(random_models, model, tp):

@@ -4,6 +4,10 @@ group (a process holds one): `python -m tests.engine.tp_rank0 MODE TARGET TP [DR
 generate: prints the greedy and seeded-sampled token ids of PROMPTS as JSON (plain decoding).
 fp8: with an fp8 KV cache and the DRAFT model drafting, prints the greedy token ids of PROMPTS
 plain and with speculation, and the fp8 scales every rank calibrated, as JSON.
+eagle3, eagle3-tree, medusa: TARGET's engine as build_engine makes it, with the EAGLE-3 head
+beside it drafting chains (or greedy trees of width 3) or its Medusa heads drafting their
+tree, prints the greedy token ids of PROMPTS and each request's drafted and accepted counts
+as JSON.
 kill: starts a generation, SIGKILLs rank 1 after a few steps, and prints how rank 0's next
 steps ended (the exception's type and message, and the seconds it took) as JSON.
 """
@@ -76,7 +80,29 @@ def fp8_tokens(e: Engine) -> dict:
             "drafted": sum(r["spec"]["drafted"] for r in spec), "held": list(e.kv.held())}
 
 
+def head_tokens(drafter: str, target: str, tp: int) -> dict:
+    from cluster.config import ClusterConfig
+    from cluster.serve.build import build_engine
+
+    from cluster.engine.drafters.eagle3 import Eagle3Drafter
+
+    cfg = ClusterConfig(models={"target": target, "draft": None, "drafter": drafter.removesuffix("-tree")},
+                        engine={"tensor_parallel_size": tp, "max_num_seqs": 8, "max_model_len": 256})
+    e = build_engine(cfg)
+    if drafter == "eagle3-tree":
+        chain = e.drafters["eagle3"]
+        e.drafters[drafter] = Eagle3Drafter(chain.head, 8, chain.max_len, tree_width=3)
+    try:
+        out = e.generate(PROMPTS, GREEDY, SpecParams("fixed", 4), drafter)
+        return {"tokens": [r["token_ids"] for r in out], "drafted": [r["spec"]["drafted"] for r in out],
+                "accepted": [r["spec"]["accepted"] for r in out], "held": list(e.kv.held())}
+    finally:
+        e.close()
+
+
 def main(mode: str, target: str, tp: int, draft: str | None = None) -> dict:
+    if mode in ("eagle3", "eagle3-tree", "medusa"):
+        return head_tokens(mode, target, tp)
     if mode == "fp8":
         with tempfile.TemporaryDirectory() as tmp:
             e = fp8_engine(target, draft, tp, saving_launcher(tmp))

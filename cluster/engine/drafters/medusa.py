@@ -86,6 +86,22 @@ def has_heads(target_dir: str | Path) -> bool:
     return (Path(target_dir) / HEADS_FILE).is_file()
 
 
+def whole_lm_head(target_dir: str | Path, tied: bool) -> torch.Tensor:
+    """The target's [V, D] output projection from its safetensors (the embedding where tied
+    or where no lm_head is stored, as the model loader reads it)."""
+    from safetensors import safe_open
+
+    names = ("model.embed_tokens.weight", "embed_tokens.weight") if tied else ("lm_head.weight",)
+    for f in sorted(p for p in Path(target_dir).glob("*.safetensors") if p.name != HEADS_FILE):
+        with safe_open(f, "pt") as st:
+            for key in names:
+                if key in st.keys():  # noqa: SIM118 - safe_open is not a dict
+                    return st.get_tensor(key)
+    if not tied:
+        return whole_lm_head(target_dir, tied=True)
+    raise FileNotFoundError(f"no lm_head or embedding in the safetensors of {target_dir}")
+
+
 def sparse_tree(score: Callable[[list[int]], float], depth: int, width: int, nodes: int) -> list[list[int]]:
     """Medusa's sparse tree: grow greedily by the candidate path most likely to be accepted
     whole, `score(path)` (path[d] = the rank taken from head d+1). Expected accepted tokens
@@ -151,10 +167,16 @@ class MedusaDrafter(Drafter):
 
     @classmethod
     def load(cls, target_dir: str | Path, target: nn.Module, tree: list[list[int]] | None = None) -> MedusaDrafter:
-        """Heads from beside the target model `target`, on its device and dtype."""
+        """Heads from beside the target model `target`, on its device and dtype. Over a
+        tensor-parallel rank 0, which holds a slice of the vocabulary, they project through
+        the whole lm_head read from the target's files (one more [V, D] on that rank)."""
         p = next(target.parameters())
         heads, cfg = MedusaHeads.load(target_dir, p.dtype, p.device)
-        return cls.for_target(heads, target, tree or cfg.get("tree") or CHAIN[: heads.num_heads])
+        tree = tree or cfg.get("tree") or CHAIN[: heads.num_heads]
+        if getattr(target, "group", None) is None:
+            return cls.for_target(heads, target, tree)
+        lm_head = whole_lm_head(target_dir, target.shape.tie_embeddings).to(p.device, p.dtype)
+        return cls(heads, lm_head, tree, getattr(target.backend, "supports_tree", False))
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> DraftOutput:
