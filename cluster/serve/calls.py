@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+MIN_TRIES = 3  # failed calls in a row before giving up, when failover_wait_s > 0
+
 
 class ErrorKind(enum.Enum):
     """Why a request failed; each ingress maps these onto its protocol's codes."""
@@ -86,7 +88,7 @@ async def stream_outputs(verifier, call: GenerateCall, failover_wait_s: float = 
     the last call's part.
     """
     emitted: list[int] = []
-    give_up, backoff = None, 0.1
+    give_up, backoff, tries = None, 0.1, 0
     while True:
         part = call if not emitted else continuation(call, emitted)
         gen = verifier.options(stream=True).generate.remote(part)
@@ -98,7 +100,7 @@ async def stream_outputs(verifier, call: GenerateCall, failover_wait_s: float = 
                 done = out.finished
                 emitted += out.token_ids
                 out.num_prompt = len(call.prompt_ids)
-                give_up, backoff = None, 0.1  # progress: a later failure gets a wait of its own
+                give_up, backoff, tries = None, 0.1, 0  # progress: a later failure gets a wait of its own
                 yield out
             if done:
                 return
@@ -107,13 +109,16 @@ async def stream_outputs(verifier, call: GenerateCall, failover_wait_s: float = 
             raise
         except Exception as e:  # noqa: BLE001
             now = time.monotonic()
-            give_up = give_up or now + failover_wait_s
+            give_up, tries = give_up or now + failover_wait_s, tries + 1
             left = call.params.max_tokens - len(emitted)
+            # a retry that itself hung past the window still gets a successor: with a wait
+            # configured, it takes MIN_TRIES failed calls in a row to give up
+            retry = left > 0 and (now < give_up or 0 < failover_wait_s and tries < MIN_TRIES)
             log.warning("verifier call failed after %d tokens (%s: %s)%s", len(emitted), type(e).__name__, e,
-                        "; resubmitting" if now < give_up and left > 0 else "")
-            if now >= give_up or left <= 0:
+                        "; resubmitting" if retry else "")
+            if not retry:
                 raise RequestError(ErrorKind.UNAVAILABLE, f"verifier unavailable: {type(e).__name__}") from None
-            await asyncio.sleep(min(backoff, give_up - now))
+            await asyncio.sleep(max(0.0, min(backoff, give_up - now)))
             backoff = min(2 * backoff, 1.0)
         finally:
             if not done:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -23,6 +24,8 @@ from cluster.engine.hashing import block_hashes, model_seed
 from cluster.serve.calls import GenerateCall
 
 log = logging.getLogger(__name__)
+
+DEAD_MEMORY_S = 600.0  # the controller replaces a dead replica well within this
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,7 @@ class PrefixLoadRouter(RequestRouter):
         self._directory = None
         self._gauge = None
         self._available: bool | None = None
+        self._dead: dict[str, float] = {}  # replica id -> when a call found it dead
 
     def _ensure_directory(self):
         """Made on first use, on the loop that routes (the Redis client binds to it)."""
@@ -113,6 +117,15 @@ class PrefixLoadRouter(RequestRouter):
             log.debug("kv directory %s", "available" if up else "unavailable: routing on load only")
         return overlap if up else None
 
+    def on_replica_actor_died(self, replica_id) -> None:
+        # Serve drops the replica here, but a replica-set update that the controller sent
+        # before it noticed the death puts it back; a call routed there fails again. A
+        # replica id never comes back to life (a replacement gets a new one), so remember it.
+        now = time.monotonic()
+        self._dead = {rid: t for rid, t in self._dead.items() if now - t < DEAD_MEMORY_S}
+        self._dead[replica_id.unique_id] = now
+        super().on_replica_actor_died(replica_id)
+
     def _load(self, r: RunningReplica) -> ReplicaLoad:
         stats = r.routing_stats or {}
         # The queue-length cache counts this handle's sends at once and is corrected by
@@ -126,6 +139,7 @@ class PrefixLoadRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         args = pending_request.args if pending_request is not None else None
         call = args[0] if args and isinstance(args[0], GenerateCall) else None
+        candidate_replicas = [r for r in candidate_replicas if r.replica_id.unique_id not in self._dead]
         if call is None or len(candidate_replicas) < 2:
             return self._power_of_two(candidate_replicas)
         hashes = block_hashes(call.prompt_ids, self._block_size, self._seed)

@@ -33,6 +33,15 @@ def kill_replica(app: str, deployment: str, replica_id: str | None = None) -> st
     return rid
 
 
+def serve_state(app: str) -> dict:
+    """Each deployment's status and live replica ids: what a failing fault test prints."""
+    try:
+        deps = serve.status().applications[app].deployments
+        return {name: (d.status, replica_ids(app, name)) for name, d in deps.items()}
+    except Exception as e:  # noqa: BLE001 - a diagnostic never hides the assertion it serves
+        return {"unknown": repr(e)}
+
+
 def wait_until(check, timeout_s: float, what: str, period_s: float = 0.2):
     """Poll `check` until it returns something truthy; raise naming `what` on timeout.
     Exceptions count as 'not yet' (a replica may be restarting)."""

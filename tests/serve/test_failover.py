@@ -12,7 +12,7 @@ import pytest
 
 from cluster.client import Client
 from cluster.config import parse_config
-from tests.serve.chaos import kill_replica, plain_tokens, replica_ids, wait_healthy, wait_until
+from tests.serve.chaos import kill_replica, plain_tokens, replica_ids, serve_state, wait_healthy, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -52,13 +52,14 @@ def reference(demo_pair):
 
 def test_streams_survive_a_verifier(client, reference):
     results, errors, ends = [None] * len(PROMPTS), [], [0.0] * len(PROMPTS)
+    killed_at = None
 
     def run(i):
         try:
             results[i] = client.generate(PROMPTS[i], max_tokens=MAX_TOKENS,
                                          speculation=4 if i % 2 else "off")
         except Exception as e:  # noqa: BLE001 - collected and asserted on below
-            errors.append(e)
+            errors.append((i, round(time.monotonic() - killed_at, 1) if killed_at else None, repr(e)))
         ends[i] = time.monotonic()
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(PROMPTS))]
@@ -72,7 +73,7 @@ def test_streams_survive_a_verifier(client, reference):
     killed_at = time.monotonic()
     for t in threads:
         t.join(180)
-    assert errors == []
+    assert errors == [], f"(request, seconds after the kill, error); serve: {serve_state(APP)}"
     assert [list(r.token_ids) for r in results] == reference  # no gap, no repeat, the unbroken run's tokens
     assert sum(end > killed_at for end in ends) >= 2  # requests were in flight across the kill
     assert time.monotonic() - killed_at < 120

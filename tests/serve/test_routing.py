@@ -79,3 +79,25 @@ def test_overlap_of_unknown_replica_ignored():
 def test_short_prompt_without_blocks():
     order, _ = POLICY.rank(loads(2, 0), {}, 0)
     assert order[0] == "r1"
+
+
+def test_a_replica_found_dead_is_never_chosen_again():
+    """Serve drops a replica whose call died, but a replica-set update sent before the
+    controller noticed puts it back; the router keeps it out (test_failover's flake)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    from cluster.serve.routing import PrefixLoadRouter
+
+    router = PrefixLoadRouter.__new__(PrefixLoadRouter)  # Serve's constructor wants a live deployment
+    router.initialize_state()
+    router._replicas, router._replicas_list, router._replica_id_set = {}, [], set()
+    router._queue_len_gauge_last_update = {}
+    replicas = [SimpleNamespace(replica_id=ReplicaID(u, DeploymentID("Verifier", "app"))) for u in ("a", "b", "c")]
+    router.on_replica_actor_died(replicas[0].replica_id)
+    for _ in range(50):
+        ranked = asyncio.run(router.choose_replicas(replicas, None))
+        assert ranked and all(r.replica_id.unique_id != "a" for group in ranked for r in group)
+    assert asyncio.run(router.choose_replicas(replicas[:1], None)) == []
