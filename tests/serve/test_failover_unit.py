@@ -41,12 +41,14 @@ class FakeVerifier:
 class _Gen:
     def __init__(self, owner, call, die_after):
         self.owner, self.call, self.die_after = owner, call, die_after
+        self.hang_s = owner.hangs.pop(0) if getattr(owner, "hangs", None) else 0.0
 
     def cancel(self):
         self.owner.cancelled += 1
 
     async def __aiter__(self):
         last, n = self.call.prompt_ids[-1], self.call.params.max_tokens
+        await asyncio.sleep(self.hang_s)
         for i in range(n):
             if self.die_after is not None and i == self.die_after:
                 raise ReplicaDied("actor died")
@@ -91,3 +93,12 @@ def test_no_wait_fails_at_once_and_a_dead_cluster_within_the_wait():
         collect(v, call(), wait=0.6)
     assert 0.5 < time.monotonic() - t < 2.0
     assert 3 <= len(v.calls) <= 8  # backed off (0.1, 0.2, 0.4 ... s), not a busy loop
+
+
+def test_a_retry_that_hung_past_the_wait_gets_a_successor():
+    """The first resubmission hangs longer than the whole wait, then fails (a call routed to a
+    replica that died meanwhile); the next one is still made, and completes."""
+    v = FakeVerifier([2, 0, None])
+    v.hangs = [0.0, 0.5, 0.0]
+    outs = collect(v, call(), wait=0.3)
+    assert [t for o in outs for t in o.token_ids] == list(range(4, 14)) and len(v.calls) == 3
