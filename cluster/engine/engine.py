@@ -96,7 +96,7 @@ class Engine:
         if p.device.type == "cuda":  # compiled pieces, GEMV tuning and CUDA graphs now, not mid-serving
             for r in [self.runner] + [getattr(d, "runner", None) for d in self.drafters.values()]:
                 if r is not None:
-                    r.warm_up()
+                    r.warm_up(mixed=r is self.runner and self.mixer is not None)
         self.eos = tokenizer.eos_token_id
         self.seqs: dict[str, Sequence] = {}
         self._controller = None

@@ -118,6 +118,9 @@ class ParallelRunner(Runner):
     # runner's prefill and verify as separate steps
     can_mix = False
 
+    def forward_mixed(self, verify, prefill, trees=None):
+        raise NotImplementedError("a tensor-parallel pass is one padded block (can_mix is False)")
+
     def __init__(self, model, kv: KVCache, attention: str, group: Group):
         super().__init__(model, kv, attention)  # no CUDA graphs: their collectives are not captured yet
         self.group = group

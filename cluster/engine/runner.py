@@ -145,13 +145,14 @@ class Runner:
         return self.model.logits(h[:, 0])
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
+    def warm_up(self, mixed: bool = False) -> None:
         """Run every kernel variant a step can need once, before serving: dynamo specialises
         the compiled pieces on sizes 0 and 1 of each dimension, and Triton tunes the GEMV per
         weight shape, seconds each on first use, and every stream waits on such a step.
         Eager passes (graphs are captured from the same pieces) of 1 and 2 rows of 1 and 2
         tokens, all logits or the last row's, on the scratch row; then every CUDA graph of up
-        to a full batch (GraphRunner.capture_all)."""
+        to a full batch (GraphRunner.capture_all). `mixed`: a mixed pass too (its pieces run on
+        [N, hidden], shapes the compiled kernels have not seen otherwise)."""
         graphs, self.graphs = self.graphs, None
         scratch = self.kv.scratch_row
         try:
@@ -159,6 +160,8 @@ class Runner:
                 for t in (1, 2):
                     for last_only in (True, False):
                         self.forward([scratch] * b, [0] * b, [[0] * t] * b, last_only=last_only)
+            if mixed:
+                self.forward_mixed(([scratch], [0], [[0, 0]]), ([scratch] * 2, [0, 0], [[0] * 3, [0]]))
         finally:
             self.graphs = graphs
         if graphs is not None:

@@ -61,6 +61,16 @@ def test_segmented_pass_equals_separate_passes(random_models, tree):
     assert not torch.equal(pl[0], pl[1])  # the check can fail: rows differ
 
 
+def test_warm_up_of_a_mixed_pass_touches_only_the_scratch_slot(random_models):
+    model = load_model(random_models["llama"], torch.float32, "cpu")
+    runner = _runner(model)
+    runner.forward([0, 1], [0, 0], [list(range(9)), list(range(20, 25))], last_only=True)
+    cached = runner.kv.k[:, : runner.kv.scratch_block].clone()
+    runner.warm_up(mixed=True)
+    assert torch.equal(cached, runner.kv.k[:, : runner.kv.scratch_block])
+    assert runner.kv.k[:, -1].abs().sum() > 0  # it did run
+
+
 PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "z", "the quick brown fox " * 6]
 LATE = ["a late prompt, long enough to take a few chunks " * 3, "0123456789" * 9, "xyzzy " * 20]
 
@@ -126,6 +136,33 @@ def test_seeded_sampling_is_the_same_mixed_or_not(engines, spec):
     assert len({tuple(t) for t in outs[True]}) > 1  # the rows are not all one stream
     for e in engines.values():
         _clean(e)
+
+
+def test_the_controller_never_observes_a_mixed_step(engines):
+    """A mixed step's time includes its chunks': the goodput controller would take it for what
+    verifying at that gamma costs. Metrics (on_verify) still see it, its prefill tokens marked."""
+    e = engines[True]
+
+    class Controller:
+        seen: list = []
+
+        def gamma(self, batch, inflight):
+            return 2
+
+        def observe(self, obs):
+            self.seen.append(obs)
+
+    ctrl, hooked = Controller(), []
+    e.controller, e.on_verify = ctrl, hooked.append
+    try:
+        _staggered(e, SamplingParams(max_tokens=16, ignore_eos=True), SpecParams("auto"), "model")
+    finally:
+        e.controller, e.on_verify = None, None
+    mixed = [o for o in hooked if o.prefill_tokens]
+    assert mixed and all(o.verify_tokens > o.prefill_tokens and o.drafted > 0 for o in mixed)
+    assert ctrl.seen and not any(o.prefill_tokens for o in ctrl.seen)
+    assert len(ctrl.seen) == len(hooked) - len(mixed)
+    _clean(e)
 
 
 def test_abort_mid_prefill_in_a_mixed_step_gives_every_block_back(engines):
