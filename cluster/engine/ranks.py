@@ -118,9 +118,6 @@ class ParallelRunner(Runner):
     # runner's prefill and verify as separate steps
     can_mix = False
 
-    def forward_mixed(self, verify, prefill, trees=None):
-        raise NotImplementedError("a tensor-parallel pass is one padded block (can_mix is False)")
-
     def __init__(self, model, kv: KVCache, attention: str, group: Group):
         super().__init__(model, kv, attention)  # no CUDA graphs: their collectives are not captured yet
         self.group = group
@@ -147,6 +144,9 @@ class ParallelRunner(Runner):
             self.group.broadcast_header(meta)
             self.group.broadcast_header(payload)
             return run_step(self, meta.tolist(), payload, hidden, aux)
+
+    def forward_mixed(self, verify, prefill, trees=None):
+        raise NotImplementedError("a tensor-parallel pass is one padded block (can_mix is False)")
 
     @torch.inference_mode()
     def decode(self, rows, cache_lens, tokens: torch.Tensor) -> torch.Tensor:
