@@ -59,6 +59,29 @@ class AttnContext:
         return cls(rows_t, lens_t, q_t, pos, width, max_kv, src, kv.tables)
 
 
+@dataclass
+class Segment:
+    """One padded block [B, T] of a segmented pass (cluster.engine.runner.Runner.forward_mixed):
+    its real tokens are `start .. stop` of the pass's flat token list, and `ctx.write_src`
+    (None: no padding) places them in the block."""
+    ctx: AttnContext
+    start: int
+    stop: int
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """This segment's rows of x [N, ...] as [B, T, ...], zeros at padded positions."""
+        ctx, x = self.ctx, x[self.start:self.stop]
+        shape = (len(ctx.q_lens), ctx.width, *x.shape[1:])
+        if ctx.write_src is None:
+            return x.reshape(shape)
+        return x.new_zeros((shape[0] * shape[1], *shape[2:])).index_copy_(0, ctx.write_src, x).view(shape)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] back to the real tokens' rows [n, ...]."""
+        x = x.reshape(-1, *x.shape[2:])
+        return x if self.ctx.write_src is None else x[self.ctx.write_src]
+
+
 def write_kv(k, v, k_cache, v_cache, ctx: AttnContext, scale=None) -> None:
     """Scatter the step's new keys/values into their blocks (e4m3 with `scale`)."""
     if ctx.slots is None:  # once per step, shared by all layers; flat positions (a tree's are by depth)

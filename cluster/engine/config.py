@@ -55,6 +55,13 @@ class EngineConfig(BaseModel):
     every draft is accepted; a right guess saves that step's drafting. Remote drafters look
     ahead while the waits their hits save outweigh the waits their misses cost
     (cluster/engine/drafting.py). false turns both off."""
+    mixed_prefill: bool = False
+    """Run prompts' prefill chunks in the same pass as the decoding rows' verify rows, each
+    padded to its own width (cluster/engine/mixed.py), instead of a prefill step during
+    which every decoding sequence waits. The verify rows take the step's token budget first,
+    the chunks what is left. Such a pass runs eager (no CUDA graph), and a tensor-parallel
+    target keeps separate steps. Off by default: what it does to speed on a GPU has not been
+    measured yet (only on CPU, benchmarks/engine_cpu)."""
 
     device: str = Field("cpu", exclude=True)
     """Set from models.device: cpu or cuda."""

@@ -1,6 +1,6 @@
 """The engine loop: schedule, run one target pass, accept, stream. No Ray in here.
 
-    outputs = engine.step()   # prefill chunks, or one draft call + one verify pass
+    outputs = engine.step()   # prefill chunks, or one draft call + one verify pass (or both: mixed_prefill)
 
 Each verify row is [last token, d_1 .. d_g]; the target's logits at those g+1 positions
 decide, by rejection sampling, how many drafts stand and which token follows. The sequence
@@ -25,11 +25,13 @@ from cluster.engine.aux_hidden import accepted_rows, keep_aux
 from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.base import Drafter, DraftOutput
 from cluster.engine.drafting import DraftPlanner
+from cluster.engine.generate import run_to_completion
 from cluster.engine.hashing import model_seed
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.loader import load_model, load_tokenizer
 from cluster.engine.logprobs import accepted_logprobs
 from cluster.engine.memory import num_kv_blocks
+from cluster.engine.mixed import MixedSteps
 from cluster.engine.model import CausalLM, compile_kernels
 from cluster.engine.observation import StepObservation, observation
 from cluster.engine.pipeline import DecodePipeline
@@ -87,13 +89,14 @@ class Engine:
         self.backend = model.backend.name
         self.pipeline = DecodePipeline(self.runner.graphs) if self.runner.graphs is not None else None
         self.scheduler = Scheduler(cfg, self.kv)
+        self.mixer = MixedSteps(self) if cfg.mixed_prefill and self.runner.can_mix else None
         self.drafters = drafters or {}
         self.default_drafter = default_drafter
         self.planner = DraftPlanner(self.drafters, default_drafter)
         if p.device.type == "cuda":  # compiled pieces, GEMV tuning and CUDA graphs now, not mid-serving
             for r in [self.runner] + [getattr(d, "runner", None) for d in self.drafters.values()]:
                 if r is not None:
-                    r.warm_up()
+                    r.warm_up(mixed=r is self.runner and self.mixer is not None)
         self.eos = tokenizer.eos_token_id
         self.seqs: dict[str, Sequence] = {}
         self._controller = None
@@ -101,9 +104,10 @@ class Engine:
         self.on_verify: Callable[[object], None] | None = None  # StepObservation hook (metrics, autoscaling)
         self._ids = itertools.count()
         self._last_end: float | None = None  # end of the previous step, if it was a verify step
-        # draft_s / verify_s: seconds waiting for drafts / in verify passes (incl. acceptance)
+        # draft_s / verify_s / mixed_s: seconds waiting for drafts / in verify passes (incl.
+        # acceptance) / in mixed ones (verify rows and prefill chunks, cluster.engine.mixed)
         self.totals = {"steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0,
-                       "draft_s": 0.0, "verify_s": 0.0}
+                       "draft_s": 0.0, "verify_s": 0.0, "mixed_steps": 0, "mixed_s": 0.0}
 
     @property
     def controller(self):
@@ -179,12 +183,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         self.totals["steps"] += 1
-        chunks = self.scheduler.schedule_prefill()
+        rows, chunks = self.mixer.schedule() if self.mixer is not None else (None, self.scheduler.schedule_prefill())
         obs = None
-        if chunks:
+        if chunks and rows:  # one pass for both (cluster.engine.mixed)
+            touched, obs = self.mixer.run(rows, chunks)
+        elif chunks:
             touched = self._prefill(chunks)
         else:
-            touched, obs = self._verify()
+            touched, obs = self._verify(rows)
         outs = [self._output(s) for s in touched]
         end = time.perf_counter()
         if obs is not None:
@@ -199,7 +205,7 @@ class Engine:
         if self._last_end is not None and start - self._last_end < end - start:
             start = self._last_end
         obs.step_s = end - start
-        if self.controller and not obs.captured:
+        if self.controller and not obs.captured and not obs.prefill_tokens:
             self.controller.observe(obs)
         if self.on_verify:
             self.on_verify(obs)
@@ -207,9 +213,12 @@ class Engine:
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> list[Sequence]:
         seqs = [s for s, _ in chunks]
         feeds = [s.token_ids[s.num_cached:s.num_cached + n] for s, n in chunks]
-        logits, hidden, aux = self.runner.forward([s.kv.row for s in seqs], [s.num_cached for s in seqs], feeds, True,
-                                                  hidden=True, aux=True)
-        done = []
+        return self._prefilled(chunks, *self.runner.forward([s.kv.row for s in seqs], [s.num_cached for s in seqs],
+                                                            feeds, True, hidden=True, aux=True))
+
+    def _prefilled(self, chunks: list[tuple[Sequence, int]], logits, hidden, aux) -> list[Sequence]:
+        """After a pass over prefill chunks: logits and hidden at each chunk's last token, aux at all."""
+        seqs, done = [s for s, _ in chunks], []
         for b, (seq, n) in enumerate(chunks):
             if aux is not None and self._reads_aux(seq):
                 keep_aux(seq, seq.num_cached, aux[b, :n])
@@ -235,8 +244,9 @@ class Engine:
             out[s.seq_id] = max(0, min(g, gamma_max, self._left(s) - 1)) if g and has_drafter else 0
         return out
 
-    def _verify(self) -> tuple[list[Sequence], StepObservation | None]:
-        rows = self.scheduler.schedule_verify(self._gammas())
+    def _verify(self, rows: list[tuple[Sequence, int]] | None = None) -> tuple[list[Sequence], StepObservation | None]:
+        """A verify step over `rows` (None: scheduled here)."""
+        rows = self.scheduler.schedule_verify(self._gammas()) if rows is None else rows
         if not rows:
             return [], None
         seqs = [s for s, _ in rows]
@@ -257,18 +267,7 @@ class Engine:
                                                       last_only=False, trees=drafts.parents, hidden=True, aux=True)
             if any(drafts.tokens):  # on a GPU the verify pass runs meanwhile
                 self.planner.ask_ahead(rows, drafts)
-            result = self._acceptance(seqs, logits, drafts)
-            if drafts.parents is not None:  # tree rows: the accepted path's K/V moves up behind the root
-                for b, s in enumerate(seqs):
-                    if drafts.parents[b] is not None:
-                        keep_path(self.kv, s.kv, s.num_cached, result.paths[b])
-            out = result.tokens
-            ends = [result.last_fed(b) for b in range(len(seqs))]
-            for b, s in enumerate(seqs):  # the accepted positions' aux states, before num_cached moves
-                if aux is not None and self._reads_aux(s):
-                    keep_aux(s, s.num_cached, aux[b, accepted_rows(result.paths[b])])
-            lps = accepted_logprobs([s.params.logprobs for s in seqs], logits, result)
-            accepted = self._keep_hidden(self._accept(seqs, out, [len(d) for d in drafts.tokens], lps), hidden, ends)
+            accepted, out = self._verified(seqs, drafts, logits, hidden, aux)
         t2 = time.perf_counter()
         self.totals["draft_s"] += t1 - t0
         self.totals["verify_s"] += t2 - t1
@@ -279,6 +278,21 @@ class Engine:
         # drafter) costs up to 50x a replay: not what speculating at this gamma costs
         obs.captured = self._graphs_captured() != graphs
         return accepted, obs
+
+    def _verified(self, seqs: list[Sequence], drafts: DraftOutput, logits, hidden, aux) -> tuple[list, list]:
+        """Acceptance after a verify pass over [last token] + drafts rows: (sequences, their new tokens)."""
+        result = self._acceptance(seqs, logits, drafts)
+        if drafts.parents is not None:  # tree rows: the accepted path's K/V moves up behind the root
+            for b, s in enumerate(seqs):
+                if drafts.parents[b] is not None:
+                    keep_path(self.kv, s.kv, s.num_cached, result.paths[b])
+        ends = [result.last_fed(b) for b in range(len(seqs))]
+        for b, s in enumerate(seqs):  # the accepted positions' aux states, before num_cached moves
+            if aux is not None and self._reads_aux(s):
+                keep_aux(s, s.num_cached, aux[b, accepted_rows(result.paths[b])])
+        lps = accepted_logprobs([s.params.logprobs for s in seqs], logits, result)
+        accepted = self._keep_hidden(self._accept(seqs, result.tokens, [len(d) for d in drafts.tokens], lps), hidden, ends)
+        return accepted, result.tokens
 
     def _graphs_captured(self) -> int:
         runners = [self.runner] + [getattr(d, "runner", None) for d in self.drafters.values()]
@@ -370,23 +384,10 @@ class Engine:
             self.seqs.pop(seq.seq_id, None)
         return out
 
-    # ---- convenience -----------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  spec: SpecParams | None = None, drafter: str | None = None) -> list[dict]:
-        """Run prompts to completion; returns one dict per prompt (text, token_ids, finish_reason, spec, timing)."""
-        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.add_request(p, sp, spec, drafter) for p, sp in zip(prompts, plist)]
-        results = {i: {"text": "", "token_ids": [], "logprobs": []} for i in ids}
-        while self.has_work:
-            for o in self.step():
-                if o.seq_id in results:
-                    r = results[o.seq_id]
-                    r["text"] += o.text
-                    r["token_ids"] += o.token_ids
-                    r["logprobs"] += o.logprobs or []
-                    if o.finished:
-                        r.update(finish_reason=o.finish_reason, prompt_tokens=o.num_prompt, **o.stats)
-        return [results[i] for i in ids]
+        """Run prompts to completion; one dict per prompt (text, token_ids, finish_reason, spec, timing)."""
+        return run_to_completion(self, prompts, params, spec, drafter)
 
     def stats(self) -> dict:
         pool, t, sch = self.kv.pool, self.totals, self.scheduler

@@ -153,6 +153,23 @@ class Attention(nn.Module):
             return lin(out.reshape(B, T, -1), self.o_proj.weight, residual=h)
         return h + self.reduce(lin(out.reshape(B, T, -1), self.o_proj.weight))  # the residual once, not per rank
 
+    def segmented(self, h, norm: "RMSNorm", rot, backend, k_cache, v_cache, segs, scale=None):
+        """As forward over the real tokens of several segments, h [N, hidden]: the projections
+        and rotary run once over all N tokens, attention once per segment on its padded block
+        with its own context (cluster.engine.attention.Segment)."""
+        s, lin = self.s, KERNELS["linear"]
+        n = h.shape[0]
+        qkv = lin(h, self.qkv_proj.weight, self.qkv_proj.bias, norm.weight, norm.eps)
+        qkv = qkv.view(n, s.heads + 2 * s.kv_heads, s.head_dim)
+        qk = KERNELS["rope"](qkv[:, : s.heads + s.kv_heads], *rot)
+        q, k = qk.split([s.heads, s.kv_heads], dim=1)
+        v = qkv[:, s.heads + s.kv_heads:]
+        out = torch.cat([seg.unpad(backend(seg.pad(q).contiguous(), seg.pad(k), seg.pad(v), k_cache, v_cache,
+                                           seg.ctx, scale)) for seg in segs])
+        if self.reduce is None:
+            return lin(out.reshape(n, -1), self.o_proj.weight, residual=h)
+        return h + self.reduce(lin(out.reshape(n, -1), self.o_proj.weight))
+
 
 class MLP(nn.Module):
     def __init__(self, s: ModelShape, reduce=None):
@@ -247,6 +264,25 @@ class CausalLM(nn.Module):
                 taken[i] = h
             scale = kv.scales[i] if kv.scales is not None else None
             h = layer.self_attn(h, layer.input_layernorm, rot, self.backend, kv.k[i], kv.v[i], ctx, scale)
+            h = layer.mlp(h, layer.post_attention_layernorm)
+        if aux is not None and self.aux_layers:
+            aux.append(torch.cat([taken[i] for i in self.aux_layers], dim=-1))
+        return self.norm(h)
+
+    def forward_segments(self, input_ids, positions, kv, segs: list, aux: list | None = None):
+        """forward over several padded segments in one pass (cluster.engine.runner.forward_mixed):
+        input_ids and positions [N] are the segments' real tokens back to back; embedding,
+        projections, MLP and norms read the weights once for all of them, and only attention
+        runs per segment (Attention.segmented). Returns [N, hidden]; with `aux`, appends [N, A]."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions[None])
+        rot = (cos[0], sin[0])  # [N, 1, D/2]
+        taken = {}
+        for i, layer in enumerate(self.layers):
+            if aux is not None and i in self.aux_layers:
+                taken[i] = h
+            scale = kv.scales[i] if kv.scales is not None else None
+            h = layer.self_attn.segmented(h, layer.input_layernorm, rot, self.backend, kv.k[i], kv.v[i], segs, scale)
             h = layer.mlp(h, layer.post_attention_layernorm)
         if aux is not None and self.aux_layers:
             aux.append(torch.cat([taken[i] for i in self.aux_layers], dim=-1))

@@ -28,6 +28,9 @@ class StepObservation:
     # adds to a speculative one; what throughput is made of. 0: not measured.
     step_s: float = 0.0
     captured: bool = False  # the step captured a CUDA graph: its time is not a step's cost
+    # prompt tokens prefilled in the same pass (a mixed step, cluster.engine.mixed): verify_s
+    # and step_s include their cost, so the step's time is not what speculating costs
+    prefill_tokens: int = 0
 
 
 def observation(batch: int, verify_tokens: int, verify_s: float, draft_s: float,

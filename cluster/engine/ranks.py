@@ -114,6 +114,10 @@ def run_step(runner: Runner, meta: list[int], payload: torch.Tensor, hidden: boo
 class ParallelRunner(Runner):
     """Rank 0's target runner: every pass is announced to the followers, then run here."""
 
+    # the pass header describes one padded block: with mixed_prefill the engine runs this
+    # runner's prefill and verify as separate steps
+    can_mix = False
+
     def __init__(self, model, kv: KVCache, attention: str, group: Group):
         super().__init__(model, kv, attention)  # no CUDA graphs: their collectives are not captured yet
         self.group = group
@@ -140,6 +144,9 @@ class ParallelRunner(Runner):
             self.group.broadcast_header(meta)
             self.group.broadcast_header(payload)
             return run_step(self, meta.tolist(), payload, hidden, aux)
+
+    def forward_mixed(self, verify, prefill, trees=None):
+        raise NotImplementedError("a tensor-parallel pass is one padded block (can_mix is False)")
 
     @torch.inference_mode()
     def decode(self, rows, cache_lens, tokens: torch.Tensor) -> torch.Tensor:

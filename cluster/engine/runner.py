@@ -6,13 +6,15 @@ from __future__ import annotations
 import torch
 
 from cluster.engine import fp8
-from cluster.engine.attention import AttnContext, make_backend
+from cluster.engine.attention import AttnContext, Segment, make_backend
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.model import CausalLM
 from cluster.engine.tree import tree_layout
 
 
 class Runner:
+    can_mix = True  # forward_mixed: a verify and a prefill segment in one pass
+
     def __init__(self, model: CausalLM, kv: KVCache, attention: str = "auto", graph_width: int = 0,
                  prefill_chunk: int = 0, max_tokens: int = 0, dense_to: int = 0):
         self.model = model
@@ -84,6 +86,42 @@ class Runner:
         logits = self.model.logits(h)
         return (logits, h, a) if aux else (logits, h) if hidden else logits
 
+    @torch.inference_mode()
+    def forward_mixed(self, verify: tuple, prefill: tuple, trees: list[list[int] | None] | None = None):
+        """One eager pass over verify rows and prefill chunks, each a segment (rows, cache_lens,
+        tokens) padded only to its own width: the weights are read once for both, and a
+        256-token chunk does not pad 5-token verify rows (cluster.engine.model.forward_segments).
+        `trees` as forward's, for the verify rows. Returns ((logits [B1, T1, V], hidden
+        [B1, T1, D], aux [B1, T1, A] | None) as forward(last_only=False, hidden=True, aux=True)
+        gives them, and (logits [B2, V], hidden [B2, D]) at each chunk's last token with aux
+        [B2, T2, A] | None at all its positions). No CUDA graph covers it."""
+        self.kv.sync()
+        segs, ids, start = [], [], 0
+        for (rows, cache_lens, tokens), tr in ((verify, trees), (prefill, None)):
+            q_lens = [len(t) for t in tokens]
+            ctx = AttnContext.build(self.kv, rows, cache_lens, q_lens, self.device)
+            ctx.splits = self._splits(len(rows), ctx.width, ctx.max_kv)
+            if tr is not None and any(t is not None for t in tr):
+                depth, ctx.tree_mask = tree_layout(tr, ctx.width, self.device)
+                ctx.positions = ctx.cache_lens[:, None] + depth
+            assert ctx.max_kv <= self.kv.max_tokens, "past the block table's width"
+            segs.append(Segment(ctx, start, start + sum(q_lens)))
+            start += sum(q_lens)
+            for t in tokens:
+                ids += t
+        ids_t = torch.tensor(ids, dtype=torch.int64).to(self.device)
+        positions = torch.cat([seg.unpad(seg.ctx.positions) for seg in segs])
+        taken: list = []
+        h = self.model.forward_segments(ids_t, positions, self.kv, segs, aux=taken)
+        a = taken[0] if taken else None
+        v, p = segs  # v starts at 0: its rows of the logits below are its own tokens' rows
+        last = p.start + torch.cumsum(p.ctx.q_lens, 0) - 1
+        logits = self.model.logits(torch.cat([h[v.start:v.stop], h[last]]))
+        n = v.stop - v.start
+        out_v = (v.pad(logits), v.pad(h), None if a is None else v.pad(a))
+        out_p = (logits[n:], h[last], None if a is None else p.pad(a))
+        return out_v, out_p
+
     def _splits(self, batch: int, width: int, max_kv: int) -> int:
         """Key splits per row for the paged triton kernel (flash-decoding); 1 for prefill."""
         if self.model.backend.name != "triton" or width > 16:
@@ -107,13 +145,14 @@ class Runner:
         return self.model.logits(h[:, 0])
 
     @torch.inference_mode()
-    def warm_up(self) -> None:
+    def warm_up(self, mixed: bool = False) -> None:
         """Run every kernel variant a step can need once, before serving: dynamo specialises
         the compiled pieces on sizes 0 and 1 of each dimension, and Triton tunes the GEMV per
         weight shape, seconds each on first use, and every stream waits on such a step.
         Eager passes (graphs are captured from the same pieces) of 1 and 2 rows of 1 and 2
         tokens, all logits or the last row's, on the scratch row; then every CUDA graph of up
-        to a full batch (GraphRunner.capture_all)."""
+        to a full batch (GraphRunner.capture_all). `mixed`: a mixed pass too (its pieces run on
+        [N, hidden], shapes the compiled kernels have not seen otherwise)."""
         graphs, self.graphs = self.graphs, None
         scratch = self.kv.scratch_row
         try:
@@ -121,6 +160,8 @@ class Runner:
                 for t in (1, 2):
                     for last_only in (True, False):
                         self.forward([scratch] * b, [0] * b, [[0] * t] * b, last_only=last_only)
+            if mixed:
+                self.forward_mixed(([scratch], [0], [[0, 0]]), ([scratch] * 2, [0, 0], [[0] * 3, [0]]))
         finally:
             self.graphs = graphs
         if graphs is not None:

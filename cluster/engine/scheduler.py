@@ -1,9 +1,11 @@
 """Admission, KV blocks and the choice of what runs next.
 
 Prefill chunks go first (they bound time to first token); otherwise every running sequence
-takes one verify row of gamma+1 tokens. A step is measured in verify tokens (sum of gamma+1
-over rows plus prefill tokens) under `max_batch_tokens`: that is speculation-aware batching,
-so a batch with long drafts holds fewer sequences than one decoding plainly.
+takes one verify row of gamma+1 tokens. With mixed_prefill both share one step: the verify
+rows first, the chunks within what they leave of the budget (cluster.engine.mixed). A step
+is measured in verify tokens (sum of gamma+1 over rows plus prefill tokens) under
+`max_batch_tokens`: that is speculation-aware batching, so a batch with long drafts holds
+fewer sequences than one decoding plainly.
 
 Blocks are taken as tokens arrive: before a step each row's table grows to hold what the
 step writes (its chunk, or gamma+1 tokens plus one spare for a decode step launched ahead),
@@ -96,10 +98,11 @@ class Scheduler:
                 self.prefix_hit_tokens += hit
             self.running.append(seq)
 
-    def schedule_prefill(self) -> list[tuple[Sequence, int]]:
-        """(sequence, chunk length) for sequences still catching up on their prompt."""
+    def schedule_prefill(self, budget: int | None = None) -> list[tuple[Sequence, int]]:
+        """(sequence, chunk length) for sequences still catching up on their prompt, within
+        `budget` tokens (None: the step's whole budget)."""
         self._admit()
-        budget, out = self.cfg.max_batch_tokens, []
+        budget, out = self.cfg.max_batch_tokens if budget is None else budget, []
         for seq in list(self.running):
             if seq.prefilled or seq.kv is None:  # preempted for an earlier chunk
                 continue

@@ -83,6 +83,14 @@ def test_seeded_sampling_matches_one_process(single, split):
     assert split.kv.held() == (0, 0)
 
 
+def test_mixed_prefill_keeps_separate_steps_under_tensor_parallelism(split):
+    """The followers' header describes one padded pass: rank 0's runner does not mix (the
+    engine keeps prefill and verify steps apart there) and refuses a mixed pass outright."""
+    assert not split.runner.can_mix and split.mixer is None
+    with pytest.raises(NotImplementedError):
+        split.runner.forward_mixed(([0], [0], [[1]]), ([1], [0], [[1, 2]]))
+
+
 def test_each_rank_holds_its_own_kv_heads(split, single):
     """The KV pool of a rank has its share of the KV heads (here 2 heads over 2 ranks: one)."""
     assert split.kv.k.shape[-2] == single.kv.k.shape[-2] // 2
