@@ -74,12 +74,38 @@ def run(mixed: bool, mode: str) -> dict:
             "arrival_ttft_ms": 1e3 * statistics.mean(first[s] - arrived[s] for s in arrived)}
 
 
+def plot(median: dict, path: Path) -> None:
+    """Separate vs mixed for each mode: wall time, steps, the streams' worst gap, arrivals' TTFT."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = sorted({k.split("/")[0] for k in median})
+    fields = [("wall_s", "wall s"), ("steps", "steps"), ("stream_max_gap_ms", "streams' worst gap ms"),
+              ("arrival_ttft_ms", "arrivals' TTFT ms")]
+    fig, axes = plt.subplots(1, len(fields), figsize=(4 * len(fields), 3.4))
+    for ax, (f, label) in zip(axes, fields):
+        for j, setting in enumerate(("separate", "mixed")):
+            ax.bar([i + 0.4 * j for i in range(len(modes))], [median[f"{m}/{setting}"][f] for m in modes], 0.4,
+                   label=setting)
+        ax.set_xticks([i + 0.2 for i in range(len(modes))], modes)
+        ax.set_title(label)
+    axes[0].legend()
+    fig.suptitle("mixed prefill on CPU: 16 decoding streams, 8 arriving 200-token prompts (medians)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--modes", default="plain,draft")
     ap.add_argument("--out", default=str(HERE / "mixed_prefill.json"))
+    ap.add_argument("--plot-only", action="store_true", help="redraw the plot from --out's JSON")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads(Path(args.out).read_text())["median"], Path(args.out).with_suffix(".png"))
+        return
     torch.set_num_threads(1)
     runs: dict[str, list[dict]] = {}
     for r in range(args.reps):
@@ -90,6 +116,7 @@ def main() -> None:
                 print(key, json.dumps(runs[key][-1]), flush=True)
     median = {k: {f: statistics.median(x[f] for x in v) for f in v[0]} for k, v in runs.items()}
     Path(args.out).write_text(json.dumps({"median": median, "runs": runs}, indent=1))
+    plot(median, Path(args.out).with_suffix(".png"))
     for k, v in median.items():
         print(k, {f: round(x, 2) for f, x in v.items()})
 
