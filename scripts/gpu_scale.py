@@ -13,6 +13,8 @@ PARTS (comma-separated, default all):
   GPU time of its CUDA-graph replays) for each mode.
 - capacity: 256 concurrent 2k-token sequences (1920-token prompts, 128 new tokens), and one
   request of a 32,000-token prompt.
+- MIXED_PREFILL=1 runs everything with engine.mixed_prefill (prefill chunks in the verify
+  steps' pass); compare its sweep with a run without it on the same warm machine.
 - prefix: a shared 2k-token prompt: TTFT of requests whose prefix is cached against requests
   with a fresh prefix, one at a time.
 """
@@ -197,8 +199,9 @@ def main() -> int:
     cfg = EngineConfig(max_num_seqs=256, max_model_len=33000, max_waiting=1024, max_batch_tokens=2048,
                        prefill_chunk=512, gamma=4, gamma_max=8, device="cuda", dtype="bfloat16", compile=True,
                        gpu_memory_utilization=float(os.environ.get("GPU_MEMORY_UTILIZATION", "0.9")),
-                       kv_cache_dtype=os.environ.get("KV_CACHE_DTYPE", "auto"))
-    R["kv_cache_dtype"] = cfg.kv_cache_dtype
+                       kv_cache_dtype=os.environ.get("KV_CACHE_DTYPE", "auto"),
+                       mixed_prefill=os.environ.get("MIXED_PREFILL") == "1")
+    R["kv_cache_dtype"], R["mixed_prefill"] = cfg.kv_cache_dtype, cfg.mixed_prefill
     drafter = ModelDrafter(draft, 2 * cfg.max_num_seqs, 2048)  # longer rows decode without drafts
     tok = AutoTokenizer.from_pretrained(DEMO / "target")
     t = time.time()
