@@ -104,8 +104,7 @@ class Engine:
         self.on_verify: Callable[[object], None] | None = None  # StepObservation hook (metrics, autoscaling)
         self._ids = itertools.count()
         self._last_end: float | None = None  # end of the previous step, if it was a verify step
-        # draft_s / verify_s / mixed_s: seconds waiting for drafts / in verify passes (incl.
-        # acceptance) / in mixed ones (verify rows and prefill chunks, cluster.engine.mixed)
+        # seconds waiting for drafts / in verify passes (with acceptance) / in mixed ones (cluster.engine.mixed)
         self.totals = {"steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0,
                        "draft_s": 0.0, "verify_s": 0.0, "mixed_steps": 0, "mixed_s": 0.0}
 
