@@ -45,7 +45,12 @@ class EngineConfig(BaseModel):
     """GPU fast path: Triton GEMV with fused norm/SiLU/residual for batch-1 steps and
     torch.compile'd elementwise kernels (CUDA only; ignored on CPU). Costs warm-up time."""
     cuda_graphs: bool = True
-    """Capture decode, verify and prefill steps as CUDA graphs (FA3 on CUDA only)."""
+    """Capture decode, verify and prefill steps as CUDA graphs (CUDA only; attention backends
+    that read lengths from tensors: triton, fa3)."""
+    compile_cache_dir: str | None = "~/.cache/spec-cluster/compile"
+    """Where compiled Triton kernels, their autotuning results and torch.compile's artifacts are
+    kept between starts, so a replica that scales up loads them instead of compiling (the k8s
+    overlays mount it from a volume). null: the libraries' own places, without tuning results."""
     tensor_parallel_size: int = Field(1, ge=1)
     """Ranks (GPUs of one node) a verifier's target is split over: heads, MLP features and the
     vocabulary (cluster.engine.sharding). Attention heads must divide by it, and KV heads

@@ -62,8 +62,9 @@ class Engine:
         if len(aux) > 1:
             raise ValueError(f"drafters read different target layers {sorted(aux)}; one EAGLE-3 head per engine")
         model.aux_layers = aux.pop() if aux else ()
+        t_start, self.startup = time.perf_counter(), {}  # seconds by phase (the log's start-up line)
         if cfg.compile and p.device.type == "cuda":
-            compile_kernels()
+            compile_kernels(cfg.compile_cache_dir)
         # positions a row can address: spare ones past max_model_len take the padded writes of
         # a step's short rows (cluster.engine.kv_cache), and one more a step launched ahead
         max_tokens = self.max_model_len + max(cfg.prefill_chunk, cfg.gamma_max + 1) + 1
@@ -76,7 +77,7 @@ class Engine:
                              f"engine.kv_cache_gb or gpu_memory_utilization, or lower max_model_len")
         self.kv = KVCache(s.layers, blocks, cfg.block_size, s.kv_heads, s.head_dim, kv_dtype, p.device,
                           cfg.max_num_seqs, max_tokens, model_seed(identity), cfg.prefix_caching)
-        graph_width = cfg.gamma_max + 1 if cfg.cuda_graphs and p.device.type == "cuda" else 0
+        graph_width = cfg.gamma_max + 1 if cfg.cuda_graphs else 0  # where the device captures (Runner)
         if model.group is not None:  # rank 0 of a tensor-parallel group: its passes lead the others'
             self.runner = ParallelRunner(model, self.kv, cfg.attention, model.group)
         else:
@@ -93,10 +94,15 @@ class Engine:
         self.drafters = drafters or {}
         self.default_drafter = default_drafter
         self.planner = DraftPlanner(self.drafters, default_drafter)
-        if p.device.type == "cuda":  # compiled pieces, GEMV tuning and CUDA graphs now, not mid-serving
-            for r in [self.runner] + [getattr(d, "runner", None) for d in self.drafters.values()]:
-                if r is not None:
-                    r.warm_up(mixed=r is self.runner and self.mixer is not None)
+        self.startup["kv_cache_s"] = time.perf_counter() - t_start
+        if p.device.type == "cuda" or self.runner.graphs is not None:  # compiled pieces, GEMV tuning and graphs now
+            self.runner.warm_up(mixed=self.mixer is not None)
+            self.startup.update(getattr(self.runner, "warmup", None) or {})
+            t = time.perf_counter()
+            for d in self.drafters.values():
+                d.warm_up()
+            self.startup["drafters_s"] = time.perf_counter() - t
+            log.info("engine start-up (s): %s", ", ".join(f"{k} {v:.1f}" for k, v in self.startup.items()))
         self.eos = tokenizer.eos_token_id
         self.seqs: dict[str, Sequence] = {}
         self._controller = None

@@ -47,8 +47,10 @@ def _prune(configs, named_args, **kw):
     return [c for c in configs if k % c.kwargs["BLOCK_K"] == 0]
 
 
+# cache_results: the tuning is kept in Triton's cache directory (engine.compile_cache_dir), so a
+# replica that starts again skips it
 @triton.autotune(configs=_configs(), key=["N", "K", "PRO", "RES", "HAS_BIAS"],
-                 prune_configs_by={"early_config_prune": _prune})
+                 prune_configs_by={"early_config_prune": _prune}, cache_results=True)
 @triton.jit
 def _gemv(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, N, K, eps,
           PRO: tl.constexpr, RES: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -151,7 +153,7 @@ def _gemm_rows_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, part_ptr, M, 
 
 
 _gemm_rows = triton.autotune(configs=_rows_configs(), key=["N", "K", "k_split", "PRO", "RES", "HAS_BIAS"],
-                             prune_configs_by={"early_config_prune": _prune})(_gemm_rows_kernel)
+                             prune_configs_by={"early_config_prune": _prune}, cache_results=True)(_gemm_rows_kernel)
 
 
 @triton.jit

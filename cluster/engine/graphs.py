@@ -34,51 +34,38 @@ def bucket(batch: int) -> int:
 
 
 class _Graph:
-    def __init__(self, model, kv, batch: int, width: int, pool, num_layers: int | None, logits: torch.Tensor | None,
-                 aux: torch.Tensor | None = None):
+    def __init__(self, model, kv, batch: int, width: int, capture, pool, num_layers: int | None,
+                 logits: torch.Tensor | None, aux: torch.Tensor | None = None):
         """logits: the buffer every graph writes its [batch, width, V] logits into (in the
         weights' dtype); None: hidden states only (a prefill width). aux: the one buffer
-        every graph writes its [batch, width, A] aux hidden states into (model.aux_layers)."""
+        every graph writes its [batch, width, A] aux hidden states into (model.aux_layers).
+        capture: cluster.engine.capture's CUDA graphs or eager stand-in."""
         dev = kv.k.device
         # ids, rows and lens in one buffer: a step's inputs are one copy from pinned memory
         n = batch * width
-        self.host = torch.zeros((n + 2 * batch,), dtype=torch.int64, pin_memory=True)
-        self.copied = torch.cuda.Event()  # the last copy out of `host` is done
+        self.host = capture.host(n + 2 * batch)
+        self.copied = capture.event()  # the last copy out of `host` is done
         self.inputs = torch.zeros((n + 2 * batch,), dtype=torch.int64, device=dev)
         self.ids = self.inputs[:n].view(batch, width)
         self.rows, self.lens = self.inputs[n:n + batch], self.inputs[n + batch:]
         self.rows.fill_(kv.scratch_row)
-        self.graph = torch.cuda.CUDAGraph()
-        # an EAGLE-3 drafter's aux hidden states are outputs of every full-model graph
-        self.aux: torch.Tensor | None = None
-        taken: list = []
-
-        def run():
-            taken.clear()
-            return model(self.ids, *self._ctx(model, kv, width), num_layers,
-                         aux=taken if model.aux_layers and num_layers is None else None)
-
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
         V = model.shape.vocab_size
         out = None if logits is None else logits[: n * V].view(batch, width, V)
-
         A = model.shape.hidden * len(model.aux_layers)
+        # an EAGLE-3 drafter's aux hidden states are outputs of every full-model graph
         self.aux = None if aux is None or num_layers is not None else aux[: n * A].view(batch, width, A)
 
-        def head(h):
+        def body():
+            taken: list = []
+            h = model(self.ids, *self._ctx(model, kv, width), num_layers, aux=taken if self.aux is not None else None)
             if out is not None:
                 out.copy_(model.logits(h, fp32=False))
             if self.aux is not None:
                 self.aux.copy_(taken[0])
-            return out
+            return h, out
 
-        with torch.cuda.stream(stream):
-            head(run())  # warm-up allocations outside the graph
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.hidden = run()  # kept for drafters that read the target's hidden states (Medusa)
-            self.out = head(self.hidden)
+        # hidden: kept for drafters that read the target's hidden states (Medusa)
+        self.graph, (self.hidden, self.out) = capture.capture(body, pool)
 
     def _ctx(self, model, kv, width: int):
         from cluster.engine.paged_attention import num_splits
@@ -93,8 +80,10 @@ class _Graph:
 
 
 class GraphRunner:
-    def __init__(self, model, kv, max_width: int, prefill_chunk: int = 0, max_tokens: int = 0, dense_to: int = 0):
-        self.model, self.kv, self.max_width = model, kv, max_width
+    def __init__(self, model, kv, capture, max_width: int, prefill_chunk: int = 0, max_tokens: int = 0,
+                 dense_to: int = 0):
+        """capture: cluster.engine.capture.for_device's (CUDA graphs, or the CPU stand-in)."""
+        self.model, self.kv, self.capture, self.max_width = model, kv, capture, max_width
         # Hidden-only widths: every width up to `dense_to` (a drafter's catch-up after a verify
         # step: a few tokens a row), then steps of 1.5x from 16 below the chunk size, then the
         # chunk size (a row padded to its width writes past its length; the spare capacity is a
@@ -107,7 +96,7 @@ class GraphRunner:
             self.prefill_widths.append(prefill_chunk)
         self.max_tokens = max_tokens
         self.graphs: dict[tuple[int, int, int | None], _Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = capture.pool()
         # One logits buffer for every graph: one replays at a time and its caller reads the
         # logits before the next, so a buffer per graph (fp32 [B, T, V] each, ~15 GB over the
         # graphs of an 8B engine at batch 256) would only hold memory the KV pool can use.
@@ -134,11 +123,15 @@ class GraphRunner:
             for width in [*range(1, self.max_width + 1), *self.prefill_widths]:
                 key = (bk, width, None)
                 if key not in self.graphs and (width <= self.max_width or bk * width <= self.max_tokens):
-                    self.graphs[key] = _Graph(self.model, self.kv, bk, width, self.pool, None,
-                                              self._logits(bk, width) if width <= self.max_width else None, self.aux)
-        torch.cuda.synchronize()
+                    self.graphs[key] = self._capture(bk, width, None)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         log.info("captured %d CUDA graphs (batch up to %d) in %.1f s", len(self.graphs) - before, max_batch,
                  time.perf_counter() - t0)
+
+    def _capture(self, batch: int, width: int, num_layers: int | None) -> _Graph:
+        logits = self._logits(batch, width) if width <= self.max_width else None
+        return _Graph(self.model, self.kv, batch, width, self.capture, self.pool, num_layers, logits, self.aux)
 
     def _logits(self, batch: int, width: int) -> torch.Tensor:
         """The shared logits buffer, made for the largest graph on first use (capture_all
@@ -196,8 +189,7 @@ class GraphRunner:
         g = self.graphs.get(key)
         if g is None:
             log.info("capturing CUDA graph for batch %d x width %d (layers %s)", bk, width, num_layers or "all")
-            g = self.graphs[key] = _Graph(self.model, self.kv, bk, width, self.pool, num_layers,
-                                          self._logits(bk, width) if width <= self.max_width else None, self.aux)
+            g = self.graphs[key] = self._capture(bk, width, num_layers)
         g.copied.synchronize()
         fill_inputs(g.host.numpy(), tokens, rows, cache_lens, width, bk, self.kv.scratch_row)
         g.inputs.copy_(g.host, non_blocking=True)

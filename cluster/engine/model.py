@@ -8,6 +8,7 @@ knows (default, llama3, yarn, ...) is computed the way the reference computes it
 
 from __future__ import annotations
 
+import os
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,12 +86,18 @@ def linear(x, w, bias=None, norm=None, eps: float = 0.0, silu: bool = False, res
 KERNELS = {"rope": rope, "rms_norm": rms_norm, "silu_mul": silu_mul, "linear": linear}
 
 
-def compile_kernels() -> None:
+def compile_kernels(cache_dir: str | None = None) -> None:
     """GPU fast path. Elementwise pieces fused by torch.compile (a decode step is otherwise
     dozens of tiny kernels per layer), compiled once per shape family and shared by all
     layers; projections of up to 16 token rows (batch-1 decode and verify, small batches) by the
     Triton kernels in cluster.engine.gemv, wider ones on cuBLAS.
-    Process-wide and idempotent: the target and a drafter in one process share it."""
+    Process-wide and idempotent: the target and a drafter in one process share it.
+    `cache_dir`: Triton's kernels and tuning and inductor's artifacts go there (both libraries
+    read these variables when they compile), so a later start loads instead of compiling."""
+    if cache_dir:
+        root = os.path.expanduser(cache_dir)
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
     if KERNELS["linear"] is not linear:
         return
     for name in ("rope", "rms_norm", "silu_mul"):

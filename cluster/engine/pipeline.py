@@ -34,9 +34,9 @@ class DecodePipeline:
     def __init__(self, graphs):
         self.graphs = graphs  # cluster.engine.graphs.GraphRunner
         self.ahead: _Ahead | None = None
-        cuda = graphs.device.type == "cuda"
-        self.host = torch.zeros((graphs.max_batch,), dtype=torch.int64, pin_memory=cuda)
-        self.copied = torch.cuda.Event() if cuda else None  # this step's tokens are on the host
+        self.host = graphs.capture.host(graphs.max_batch)
+        self.copied = graphs.capture.event()  # this step's tokens are on the host
+        self.launched = 0  # steps launched ahead
         self.hits = 0  # steps whose launch ahead was used
         self.streak = 0  # plain steps in a row
         self.hit = False
@@ -53,24 +53,26 @@ class DecodePipeline:
         """One greedy token per row (each row fed its last token): [[t], ...]. `launch_next`:
         start the following step now (False where a row ends here by length)."""
         b = len(seqs)
+        # the scheduler grew the rows' tables for this step and the one launched ahead: the
+        # replays read them on the device (Runner.forward syncs its own passes)
+        self.graphs.kv.sync()
         key = tuple((s.seq_id, s.kv.row, s.num_cached) for s in seqs)
         self.hit = self.ahead is not None and self.ahead.key == key  # this step was launched ahead
         if self.hit:
             tokens, self.hits = self.ahead.tokens, self.hits + 1
         else:
-            logits, _ = self.graphs.forward([s.kv.row for s in seqs], [s.num_cached for s in seqs],
+            logits, _, _ = self.graphs.forward([s.kv.row for s in seqs], [s.num_cached for s in seqs],
                                             [[s.token_ids[-1]] for s in seqs])
             tokens = logits[:, 0].argmax(-1)
         self.ahead = None
         host = self.host[:b]
-        host.copy_(tokens, non_blocking=self.copied is not None)
-        if self.copied is not None:
-            self.copied.record()
+        host.copy_(tokens, non_blocking=True)
+        self.copied.record()
         self.streak += 1
         if launch_next and self.streak > 1:  # EOS and stop strings are not known yet: a finished row drops it
             logits = self.graphs.replay_next(tokens)
+            self.launched += 1
             self.ahead = _Ahead(tuple((s.seq_id, s.kv.row, s.num_cached + 1) for s in seqs),
                                 logits[:, 0].argmax(-1))
-        if self.copied is not None:
-            self.copied.synchronize()
+        self.copied.synchronize()
         return [[t] for t in host.tolist()]

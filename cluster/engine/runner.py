@@ -3,10 +3,13 @@ cache); target and draft model share it."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from cluster.engine import fp8
 from cluster.engine.attention import AttnContext, Segment, make_backend
+from cluster.engine.capture import for_device as capture_for
 from cluster.engine.kv_cache import KVCache
 from cluster.engine.model import CausalLM
 from cluster.engine.tree import tree_layout
@@ -24,10 +27,12 @@ class Runner:
         if model.backend is None:
             model.backend = make_backend(attention, p.device, p.dtype)
         self.graphs = None
-        if graph_width and model.backend.graphs:  # decode/verify steps up to this width
+        self.warmup: dict | None = None  # what warm_up took, once it ran
+        capture = capture_for(self.device, model.backend) if graph_width else None
+        if capture is not None:  # decode/verify steps up to graph_width tokens a row
             from cluster.engine.graphs import GraphRunner
 
-            self.graphs = GraphRunner(model, kv, graph_width, prefill_chunk, max_tokens, dense_to)
+            self.graphs = GraphRunner(model, kv, capture, graph_width, prefill_chunk, max_tokens, dense_to)
 
     def calibrate(self, token_ids: list[int]) -> None:
         """An fp8 cache's scales from one pass over `token_ids` (cluster.engine.fp8), before
@@ -153,6 +158,9 @@ class Runner:
         tokens, all logits or the last row's, on the scratch row; then every CUDA graph of up
         to a full batch (GraphRunner.capture_all). `mixed`: a mixed pass too (its pieces run on
         [N, hidden], shapes the compiled kernels have not seen otherwise)."""
+        if self.warmup is not None:  # once: a drafter built (and warmed) before its engine
+            return
+        t0 = time.perf_counter()
         graphs, self.graphs = self.graphs, None
         scratch = self.kv.scratch_row
         try:
@@ -164,10 +172,16 @@ class Runner:
                 self.forward_mixed(([scratch], [0], [[0, 0]]), ([scratch] * 2, [0, 0], [[0] * 3, [0]]))
         finally:
             self.graphs = graphs
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
         if graphs is not None:
             graphs.capture_all(self.kv.max_rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        # seconds compiling and tuning kernels (eager passes), then capturing graphs
+        self.warmup = {"kernels_s": t1 - t0, "graphs_s": time.perf_counter() - t1,
+                       "graphs": len(graphs.graphs) if graphs is not None else 0}
 
 
 def device_ints(xs: list[int], device) -> torch.Tensor:

@@ -8,6 +8,8 @@ set and EAGLE-3 when a head is configured or lies beside the target (in this pro
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 from cluster.config import ClusterConfig, resolve_model_path
@@ -26,6 +28,7 @@ from cluster.engine.model import CausalLM, compile_kernels
 from cluster.engine.ranks import start_ranks
 
 
+log = logging.getLogger(__name__)
 # Longest sequence (prompt + output + drafts) the draft model drafts for; longer rows decode
 # without its drafts. See build_model_drafter.
 DRAFT_MAX_LEN = 2048
@@ -73,7 +76,7 @@ def build_eagle3_drafter(cfg: ClusterConfig, target: CausalLM | None = None) -> 
     head = load_head(path, layers, dtype, ec.device, embed.to(ec.device), vocab, max_positions=max_len + 1)
     cuda = next(head.parameters()).is_cuda
     if cuda and ec.compile:
-        compile_kernels()
+        compile_kernels(ec.compile_cache_dir)
     return Eagle3Drafter(head, num_slots=2 * ec.max_num_seqs, max_len=max_len, attention=ec.attention,
                          cuda_graphs=ec.cuda_graphs)
 
@@ -88,7 +91,7 @@ def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
     model = load_model(resolve_model_path(cfg.models.draft), DTYPES[ec.dtype], ec.device)
     cuda = next(model.parameters()).is_cuda  # as the target's engine does (colocated)
     if cuda and ec.compile:
-        compile_kernels()
+        compile_kernels(ec.compile_cache_dir)
     # ModelDrafter's paged pool is num_slots x (max_len + 512) tokens, allocated up front.
     # Rows: 2 x max_num_seqs, so a drafter replica keeps the state of two verifiers' full
     # batches (a verifier keeps one replica for 30 s, state it left expires after
@@ -101,11 +104,8 @@ def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
     # demo and test configs (max_model_len <= 1024) are unchanged by it. Colocated on a GPU,
     # the target's KV pool is sized after this one exists (cluster.engine.memory), so it
     # comes out of the verifier's pool.
-    drafter = ModelDrafter(model, num_slots=2 * ec.max_num_seqs, max_len=min(ec.max_model_len, DRAFT_MAX_LEN),
-                           look_ahead="auto" if ec.draft_look_ahead else None)
-    if cuda:
-        drafter.runner.warm_up()  # kernel variants and CUDA graphs now, not in the middle of a step
-    return drafter
+    return ModelDrafter(model, num_slots=2 * ec.max_num_seqs, max_len=min(ec.max_model_len, DRAFT_MAX_LEN),
+                        look_ahead="auto" if ec.draft_look_ahead else None)
 
 
 def build_engine(cfg: ClusterConfig, remote: Drafter | dict[str, Drafter] | None = None,
@@ -116,6 +116,7 @@ def build_engine(cfg: ClusterConfig, remote: Drafter | dict[str, Drafter] | None
     cluster.serve.followers.start_followers)."""
     from cluster.policy.controller import make_controller
 
+    t0 = time.perf_counter()
     ec = cfg.engine_config()
     remote = {remote.name: remote} if isinstance(remote, Drafter) else dict(remote or {})
     target = resolve_model_path(cfg.models.target)
@@ -137,7 +138,11 @@ def build_engine(cfg: ClusterConfig, remote: Drafter | dict[str, Drafter] | None
     if default == "eagle3" and "eagle3" not in drafters:
         raise ValueError(f"drafter 'eagle3' needs models.eagle3 or a head in {target}/{EAGLE3_DIR} "
                          "(spec-cluster models train-eagle3)")
-    engine = Engine(model, load_tokenizer(target), ec, drafters, default, identity=cfg.models.target)
+    tok, loaded = load_tokenizer(target), time.perf_counter() - t0
+    engine = Engine(model, tok, ec, drafters, default, identity=cfg.models.target)
+    engine.startup = {"load_s": loaded, **engine.startup, "total_s": time.perf_counter() - t0}
+    log.info("engine up in %.1f s (%s)", engine.startup["total_s"],
+             ", ".join(f"{k} {v:.1f}" for k, v in engine.startup.items() if k != "total_s"))
     # these two read the target's own state (hidden states, KV), so they live in its process
     engine.drafters["early-exit"] = EarlyExitDrafter(engine.runner, cfg.models.early_exit_layers
                                                      or max(1, model.shape.layers // 4))

@@ -57,6 +57,8 @@ class DrafterDeployment:
         cfg = ClusterConfig.model_validate(config)
         builders = {"model": build_model_drafter, "eagle3": build_eagle3_drafter}
         self.drafters = {name: builders[name](cfg) for name in remote_drafters(cfg)}
+        for d in self.drafters.values():  # kernel variants and CUDA graphs now, not in the middle of a step
+            d.warm_up()
         self.calls = dict.fromkeys(self.drafters, 0)  # draft calls served, by drafter
         self.lock = threading.RLock()  # propose_from holds it across propose
         self.server = DraftServer(self.propose_from, bind_host(cfg.network.drafter_host),

@@ -91,6 +91,9 @@ class Drafter(abc.ABC):
     def release(self, seq_ids: list[str]) -> None:
         """Forget per-sequence state (the sequence finished)."""
 
+    def warm_up(self) -> None:
+        """Compile, tune and capture what its steps need, before serving (GPU drafters)."""
+
 
 def empty_rows(tokens: list[list[int]], ids: list, probs: list) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per-row proposals as [n, K] arrays; a row with no drafts gets [0, 1] arrays."""

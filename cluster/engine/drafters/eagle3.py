@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.engine.attention import AttnContext, make_backend
+from cluster.engine.capture import for_device as capture_for
 from cluster.engine.drafters.base import TOPK, Drafter, DraftOutput, DraftRequest, draft_generator, empty_rows
 from cluster.engine.drafters.eagle3_head import Eagle3Head
 from cluster.engine.kv_cache import KVCache, KVHandle
@@ -63,12 +64,17 @@ class Eagle3Drafter(Drafter):
         self.max_len = self.kv.max_tokens
         self.tree_width = tree_width if getattr(head.backend, "supports_tree", False) else 0
         self.graphs = None
-        if cuda_graphs and p.device.type == "cuda" and head.backend.graphs:
+        capture = capture_for(p.device, head.backend) if cuda_graphs else None
+        if capture is not None:
             from cluster.engine.drafters.eagle3_graphs import HeadGraphs
 
-            self.graphs = HeadGraphs(head, self.kv)
+            self.graphs = HeadGraphs(head, self.kv, capture)
         self.state: OrderedDict[str, _State] = OrderedDict()  # seq_id -> state, least recently used first
         self.generators: dict[str, torch.Generator] = {}
+
+    def warm_up(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture_all(self.kv.max_rows)
 
     def release(self, seq_ids: list[str]) -> None:
         for sid in seq_ids:

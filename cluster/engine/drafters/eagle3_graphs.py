@@ -1,9 +1,10 @@
-"""CUDA graphs for the EAGLE-3 head's one-token steps (GPU only).
+"""CUDA graphs for the EAGLE-3 head's one-token steps.
 
 A draft step is one layer over one token a row: launches, not math, so each batch bucket's
 step is captured once and replayed with the rows' table indices, lengths, draft tokens and
 hidden inputs copied into its static buffers (as cluster.engine.graphs does for the model
-drafter's steps). Padding rows use the KV cache's scratch row.
+drafter's steps). Padding rows use the KV cache's scratch row. Capture and replay go through
+cluster.engine.capture (CUDA graphs, or the CPU tests' eager stand-in).
 """
 
 from __future__ import annotations
@@ -11,44 +12,47 @@ from __future__ import annotations
 import torch
 
 from cluster.engine.attention import AttnContext
-from cluster.engine.graphs import bucket
+from cluster.engine.graphs import BUCKETS, bucket
 
 
 class _Step:
-    def __init__(self, head, kv, batch: int, pool):
-        from cluster.engine.paged_attention import num_splits
-
+    def __init__(self, head, kv, batch: int, capture, pool):
         dev, s = kv.k.device, head.shape
-        self.host = torch.zeros((2 * batch,), dtype=torch.int64, pin_memory=True)
-        self.copied = torch.cuda.Event()  # the last copy out of `host` is done
+        self.host = capture.host(2 * batch)
+        self.copied = capture.event()  # the last copy out of `host` is done
         self.inputs = torch.zeros((2 * batch,), dtype=torch.int64, device=dev)
         self.rows, self.lens = self.inputs[:batch], self.inputs[batch:]
         self.ids = torch.zeros((batch, 1), dtype=torch.int64, device=dev)
         self.x = torch.zeros((batch, 1, head.cfg.hidden), dtype=kv.k.dtype, device=dev)
         self.rows.fill_(kv.scratch_row)
 
-        def run():
+        splits = 1
+        if head.backend.name == "triton":
+            from cluster.engine.paged_attention import num_splits
+
+            splits = num_splits(batch, s.kv_heads, -(-(s.heads // s.kv_heads) // 64), kv.max_tokens)
+
+        def body():
             pos = self.lens[:, None]
             ctx = AttnContext(self.rows, self.lens, torch.ones_like(self.lens), pos, 1, kv.max_tokens,
-                              kv.slots(self.rows, pos).flatten(), None, kv.tables)
-            ctx.splits = num_splits(batch, s.kv_heads, -(-(s.heads // s.kv_heads) // 64), kv.max_tokens)
-            return head(self.ids, self.x, pos, kv, ctx)
+                              None, kv.tables, splits=splits, slots=kv.slots(self.rows, pos).flatten())
+            return (head(self.ids, self.x, pos, kv, ctx),)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()  # warm-up allocations outside the graph
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = run()
+        self.graph, (self.out,) = capture.capture(body, pool)
 
 
 class HeadGraphs:
-    def __init__(self, head, kv):
-        self.head, self.kv = head, kv
+    def __init__(self, head, kv, capture):
+        self.head, self.kv, self.capture = head, kv, capture
         self.steps: dict[int, _Step] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = capture.pool()
+
+    @torch.inference_mode()
+    def capture_all(self, max_batch: int) -> None:
+        """Every batch bucket's step, before serving (a capture costs a step's worth many times)."""
+        for bk in BUCKETS[:BUCKETS.index(bucket(min(max_batch, BUCKETS[-1]))) + 1]:
+            if bk not in self.steps:
+                self.steps[bk] = _Step(self.head, self.kv, bk, self.capture, self.pool)
 
     @torch.inference_mode()
     def step(self, rows: list[int], cache_lens: list[int], ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +60,7 @@ class HeadGraphs:
         b, bk = len(rows), bucket(len(rows))
         g = self.steps.get(bk)
         if g is None:
-            g = self.steps[bk] = _Step(self.head, self.kv, bk, self.pool)
+            g = self.steps[bk] = _Step(self.head, self.kv, bk, self.capture, self.pool)
         g.copied.synchronize()
         host = g.host.numpy()
         host[:] = 0

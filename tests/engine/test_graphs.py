@@ -1,0 +1,116 @@
+"""The CUDA-graph path on CPU: the real GraphRunner, DecodePipeline and EAGLE-3 HeadGraphs with
+the eager stand-in for capture and replay (cluster.engine.capture.eager_on_cpu) give the
+tokens of eager passes, for plain decoding and every drafter.
+
+Only the hardware call is replaced: buffers, bucket padding, table rows, lengths, the shared
+logits and aux buffers, launch-ahead and graph keys are the classes' own, so a signature or
+bookkeeping change that breaks the GPU path breaks these tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.engine.capture import _EagerGraph, eager_on_cpu
+from cluster.engine.config import EngineConfig
+from cluster.engine.drafters.eagle3 import Eagle3Drafter
+from cluster.engine.drafters.early_exit import EarlyExitDrafter
+from cluster.engine.drafters.medusa import CHAIN, MedusaDrafter, MedusaHeads
+from cluster.engine.drafters.model import ModelDrafter
+from cluster.engine.drafters.ngram import NgramDrafter
+from cluster.engine.engine import Engine
+from cluster.engine.loader import load_model
+from cluster.engine.sampling import SamplingParams
+from cluster.engine.sequence import SpecParams
+from tests.engine.eagle3_factory import random_head
+
+PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "z", "the quick brown fox " * 6, "x = [1, 2, 3]\n"]
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+def build(random_models, tokenizer, medusa: bool) -> Engine:
+    target = load_model(random_models["llama"], torch.float32, "cpu")
+    draft = load_model(random_models["llama_draft"], torch.float32, "cpu")
+    head = random_head(target, 100)
+    torch.manual_seed(0)
+    heads = MedusaHeads(target.shape.hidden, 4)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, max_batch_tokens=128, gamma_max=6,
+                       prefill_chunk=32)
+    drafters = {"ngram": NgramDrafter(), "model": ModelDrafter(draft, 16, 256),
+                "eagle3": Eagle3Drafter(head, 16, 300), "eagle3-tree": Eagle3Drafter(head, 16, 300, tree_width=3)}
+    e = Engine(target, tokenizer, cfg, drafters, "model")
+    e.drafters["early-exit"] = EarlyExitDrafter(e.runner, 1)
+    if medusa:  # a drafter that reads the target's hidden states: no step runs ahead in its engine
+        # a chain: the GPU's attention kernel has no tree masks, so Medusa drafts chains there
+        e.drafters["medusa"] = MedusaDrafter.for_target(heads, e.model, CHAIN[:4])
+    return e
+
+
+def pair(random_models, tokenizer, medusa: bool) -> tuple[Engine, Engine]:
+    eager = build(random_models, tokenizer, medusa)
+    with eager_on_cpu():
+        graphs = build(random_models, tokenizer, medusa)
+    assert eager.runner.graphs is None and graphs.runner.graphs is not None
+    return eager, graphs
+
+
+@pytest.fixture(scope="module")
+def engines(random_models, tokenizer) -> tuple[Engine, Engine]:
+    return pair(random_models, tokenizer, False)
+
+
+@pytest.fixture(scope="module")
+def medusa_engines(random_models, tokenizer) -> tuple[Engine, Engine]:
+    return pair(random_models, tokenizer, True)
+
+
+def replays(engine: Engine) -> int:
+    runners = {id(r): r for r in [engine.runner] + [getattr(d, "runner", None) for d in engine.drafters.values()] if r}
+    gs = [g.graph for r in runners.values() if r.graphs for g in r.graphs.graphs.values()]
+    gs += [s.graph for d in engine.drafters.values() if getattr(d, "graphs", None) for s in d.graphs.steps.values()]
+    assert all(isinstance(g, _EagerGraph) for g in gs)
+    return sum(g.replays for g in gs)
+
+
+def test_warm_up_captures_every_step_shape(engines):
+    g = engines[1].runner.graphs
+    widths = {w for (_, w, layers) in g.graphs if layers is None}
+    assert set(range(1, 8)) <= widths  # every verify width up to gamma_max + 1
+    assert {bk for (bk, _, _) in g.graphs} == {1, 2, 4, 8}  # buckets up to max_num_seqs
+    assert g.prefill_widths and max(widths) == 32  # prefill widths up to the chunk
+
+
+@pytest.mark.parametrize("drafter", [None, "model", "ngram", "medusa", "early-exit", "eagle3", "eagle3-tree"])
+def test_graph_steps_give_the_eager_tokens(request, drafter):
+    engines = request.getfixturevalue("medusa_engines" if drafter == "medusa" else "engines")
+    eager, graphs = engines
+    spec = SpecParams("off") if drafter is None else SpecParams("fixed", 3)
+    before = replays(graphs)
+    want = eager.generate(PROMPTS, GREEDY, spec, drafter)
+    got = graphs.generate(PROMPTS, GREEDY, spec, drafter)
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
+    assert [r["spec"]["accepted"] for r in got] == [r["spec"]["accepted"] for r in want]
+    assert replays(graphs) > before
+    if drafter is not None:
+        assert sum(r["spec"]["drafted"] for r in got) > 0
+    for e in engines:
+        assert e.kv.held() == (0, 0) and not e.seqs
+
+
+def test_plain_greedy_runs_a_step_ahead(engines):
+    p = engines[1].pipeline
+    hits = p.hits
+    engines[1].generate(PROMPTS[:2], GREEDY, SpecParams("off"))
+    assert p.hits > hits + 30  # most of 2 x 40 steps were launched ahead and used
+
+
+def test_model_drafter_and_eagle3_steps_replay_graphs(engines):
+    graphs = engines[1]
+    d = graphs.drafters["model"].runner.graphs
+    assert any(w == 1 for (_, w, _) in d.graphs)  # draft steps
+    assert any(w > 1 for (_, w, _) in d.graphs)  # catch-up passes
+    assert graphs.drafters["eagle3"].graphs.steps  # the head's one-token steps
+    assert any(layers == 1 for (_, _, layers) in graphs.runner.graphs.graphs)  # early exit's first layer
