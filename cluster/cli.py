@@ -41,11 +41,14 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--http-port", type=int, help="HTTP port of the OpenAI-compatible API (default from config: 8000)")
     up.add_argument("--placement", choices=["colocated", "disaggregated"])
     up.add_argument("--num-cpus", type=int, help="CPUs for a local Ray")
+    up.add_argument("--insecure", action="store_true",
+                    help="serve on a non-loopback network.host without API keys (anyone who reaches it can generate)")
 
     g = sub.add_parser("generate", help="generate from a prompt (gRPC client, or --local in-process)")
     g.add_argument("prompt")
     g.add_argument("--local", action="store_true", help="run the engine in this process")
-    g.add_argument("--address", default="localhost:9000")
+    g.add_argument("--address", help="gRPC address, host[:port] (default: $SPEC_CLUSTER_ADDRESS, else localhost:9000)")
+    g.add_argument("--port", type=int, help="gRPC port (with --address's host, or localhost)")
     g.add_argument("--stream", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.add_argument("--max-tokens", type=int, default=128)
@@ -126,7 +129,11 @@ def cmd_up(args) -> int:
     from cluster.config import load_config
 
     cfg = load_config(args.config, _overrides(args))  # a bad config stops here, before Ray is touched
-    from cluster.serve.launch import deploy, shutdown
+    from cluster.serve.launch import deploy, open_to_network, shutdown
+
+    if open_to_network(cfg) and not args.insecure:
+        raise ValueError(f"network.host {cfg.network.host} serves generation to other hosts and no API keys are set: "
+                         "set router.api_keys or router.api_keys_env, or pass --insecure")
 
     info = deploy(cfg, address=args.address, num_cpus=args.num_cpus)
     print(f"spec-cluster ready: gRPC {info['grpc']} (app {cfg.network.app_name}), "
@@ -210,10 +217,10 @@ def _as_json(msg) -> dict:
 
 
 def _generate_remote(args) -> dict | None:
-    from cluster.client import Client
+    from cluster.client import Client, server_address
 
     kw = dict(_spec_kwargs(args), speculation=args.speculation, drafter=args.drafter or "")
-    with Client(args.address, timeout=args.timeout, api_key=args.api_key) as c:
+    with Client(server_address(args.address, args.port), timeout=args.timeout, api_key=args.api_key) as c:
         if args.stream:
             last = None
             text, ids = "", []

@@ -10,6 +10,7 @@ Errors surface as `grpc.RpcError` (`.code()`, `.details()`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 
 import grpc
@@ -19,6 +20,18 @@ from cluster.proto import generation_pb2 as pb
 from cluster.proto import generation_pb2_grpc as pb_grpc
 
 Speculation = str | int | pb.Speculation | None
+ADDRESS_ENV, DEFAULT_PORT = "SPEC_CLUSTER_ADDRESS", 9000
+
+
+def server_address(address: str | None = None, port: int | None = None) -> str:
+    """host:port of a server, from --address, else $SPEC_CLUSTER_ADDRESS, else localhost; `port`
+    (--port) replaces the address's port, which defaults to 9000. IPv6 hosts in brackets."""
+    addr = address or os.environ.get(ADDRESS_ENV) or "localhost"
+    if addr.endswith("]") or ":" not in addr:
+        host, own = addr, None
+    else:
+        host, _, own = addr.rpartition(":")
+    return f"{host}:{port or own or DEFAULT_PORT}"
 
 _SPEC_MODES = {"auto": pb.Speculation.AUTO, "off": pb.Speculation.OFF}
 

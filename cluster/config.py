@@ -119,9 +119,10 @@ class RouterSection(_Strict):
 
 class NetworkSection(_Strict):
     host: str = "127.0.0.1"
-    """Address the HTTP proxy binds: loopback unless set (the k8s overlays set 0.0.0.0, for the
-    Service). Serve's gRPC proxy binds every interface whatever this says (Ray 2.60 hard-codes
-    `[::]`): with no API keys `spec-cluster up` warns about it."""
+    """Address the HTTP and gRPC proxies bind: loopback unless set (the k8s overlays set
+    0.0.0.0, for the Service). Serve's gRPC proxy would bind `[::]` (Ray 2.60 hard-codes it);
+    cluster.serve.proxy_patch makes it bind this. Another host with no API keys: `spec-cluster
+    up` refuses to start unless given --insecure."""
     drafter_host: str = "auto"
     """Address a drafter replica's ZeroMQ socket binds (verifiers' direct draft calls).
     `auto`: loopback while every Ray node runs on the drafter's host (`spec-cluster up` on one
@@ -133,7 +134,9 @@ class NetworkSection(_Strict):
     """Largest gRPC message the proxies take or send (RESOURCE_EXHAUSTED above it); Serve's
     own default is 2 GiB. Set through the Serve controller's env, which proxies inherit."""
     app_name: str = "spec-cluster"
-    route_prefix: str = "/spec"
+    route_prefix: str = "/"
+    """Serve's route prefix of the app: the OpenAI API is at <prefix>/v1 (http://host:8000/v1 by
+    default, where OpenAI clients, vLLM and SGLang put it)."""
 
 
 class KVDirSection(_Strict):

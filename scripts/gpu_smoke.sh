@@ -10,6 +10,9 @@ set -o pipefail
 export BUNDLE=${BUNDLE:-.device-bundle-multi}
 bash "$BUNDLE/unpack.sh" || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
+# the bundle leaves out the dashboard's web build; without the folder Ray waits 60 s for a
+# dashboard that cannot start (its API needs no build)
+mkdir -p /tmp/site/ray/dashboard/client/build/static
 export COMPILE_CACHE=${COMPILE_CACHE:-/tmp/spec-cluster-compile}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 scripts/gpu_smoke.py 2>&1 | tee "${OUT:-.}/smoke.log"

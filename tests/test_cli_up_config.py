@@ -63,3 +63,39 @@ def test_bad_policy_file_is_named(tmp_path):
     cfg.write_text("speculation: nope.yaml\n")
     with pytest.raises(ConfigError, match="nope.yaml: cannot read"):
         load_config(cfg)
+
+
+def test_up_refuses_an_open_host_without_keys_before_ray(tmp_path):
+    cfg = tmp_path / "open.yaml"
+    cfg.write_text("network:\n  host: 0.0.0.0\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "RAY_ADDRESS": ""}
+    r = subprocess.run([sys.executable, "-m", "cluster.cli", "up", "--config", str(cfg)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 1 and "ready" not in r.stdout, r
+    assert r.stderr.strip().splitlines() == [
+        "spec-cluster: error: network.host 0.0.0.0 serves generation to other hosts and no API keys are set: "
+        "set router.api_keys or router.api_keys_env, or pass --insecure"]
+
+
+@pytest.mark.parametrize("address, port, env, want", [
+    (None, None, None, "localhost:9000"),
+    (None, 9611, None, "localhost:9611"),
+    ("gpu-box:9100", None, None, "gpu-box:9100"),
+    ("gpu-box", None, None, "gpu-box:9000"),
+    ("gpu-box:9100", 9611, None, "gpu-box:9611"),
+    (None, None, "env-box:7000", "env-box:7000"),
+    (None, 9611, "env-box:7000", "env-box:9611"),
+    ("[::1]:9100", None, None, "[::1]:9100"),
+    ("[::1]", 9611, None, "[::1]:9611"),
+])
+def test_a_server_is_named_by_address_port_or_env(monkeypatch, address, port, env, want):
+    from cluster.cli import _parser
+    from cluster.client import ADDRESS_ENV, server_address
+
+    monkeypatch.delenv(ADDRESS_ENV, raising=False)
+    if env:
+        monkeypatch.setenv(ADDRESS_ENV, env)
+    args = ["generate", "x"] + (["--address", address] if address else []) + (["--port", str(port)] if port else [])
+    parsed = _parser().parse_args(args)  # generate takes --port as up does
+    assert server_address(parsed.address, parsed.port) == want

@@ -4,7 +4,7 @@ with an optional Hugging Face baseline.
 
     spec-cluster bench load --workload code --concurrency 1,4,16 --speculation auto
     spec-cluster bench load --address localhost:9000 --workload shared-prefix
-    spec-cluster bench load --api openai --base-url http://localhost:8000/spec/v1 --concurrency 1,8,32
+    spec-cluster bench load --api openai --base-url http://localhost:8000/v1 --concurrency 1,8,32
     spec-cluster bench load --workload trace:requests.jsonl --mask --baseline hf
 
 Per point: tokens/s, TTFT and inter-token latency p50/p99, acceptance, mean accepted length.
@@ -156,9 +156,10 @@ def main(argv=None) -> int:
     ap.add_argument("--speculation", default="auto", help="off | auto | K")
     ap.add_argument("--api", choices=["grpc", "openai"], default="grpc",
                     help="how to reach a running cluster: gRPC (--address) or the OpenAI API (--base-url)")
-    ap.add_argument("--address", help="gRPC address of a running cluster (default: in-process engine)")
+    ap.add_argument("--address", help="gRPC address of a running cluster, host[:port] (default: in-process engine)")
+    ap.add_argument("--port", type=int, help="gRPC port of a running cluster (with --address's host, or localhost)")
     ap.add_argument("--application")
-    ap.add_argument("--base-url", help="OpenAI API base URL, e.g. http://localhost:8000/spec/v1")
+    ap.add_argument("--base-url", help="OpenAI API base URL, e.g. http://localhost:8000/v1")
     ap.add_argument("--api-key", default="unused", help="OpenAI API key (Bearer), where router.api_keys are set")
     ap.add_argument("--model", help="model name for the OpenAI API (default: the first of /v1/models)")
     ap.add_argument("--config", help="cluster YAML for the in-process engine")
@@ -167,6 +168,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.api == "openai" and not args.base_url:
         ap.error("--api openai needs --base-url")
+    if args.address or args.port:
+        from cluster.client import server_address
+
+        args.address = server_address(args.address, args.port)
     remote = args.address or args.api == "openai"
     spec_arg = args.speculation if args.speculation in ("off", "auto") else int(args.speculation)
     prompts = load_workload(args.workload, args.requests, args.mask)

@@ -21,7 +21,8 @@ class EngineConfig(BaseModel):
     max_model_len: int = Field(1024, ge=16)
     """Prompt plus output tokens per sequence; costs nothing until a sequence uses it."""
     max_waiting: int = Field(64, ge=0)
-    """Bounded admission queue per replica; beyond it requests get RESOURCE_EXHAUSTED."""
+    """Bounded admission queue per replica: requests beyond max_num_seqs running and this many
+    waiting get RESOURCE_EXHAUSTED."""
     max_batch_tokens: int = Field(512, ge=1)
     """Verify-token budget of one step: sum of gamma+1 over rows plus prefill tokens."""
     prefill_chunk: int = Field(256, ge=1)

@@ -28,14 +28,13 @@ from cluster.engine.drafting import DraftPlanner
 from cluster.engine.generate import run_to_completion
 from cluster.engine.hashing import model_seed
 from cluster.engine.kv_cache import KVCache
-from cluster.engine.loader import load_model, load_tokenizer
 from cluster.engine.logprobs import accepted_logprobs
 from cluster.engine.memory import num_kv_blocks
 from cluster.engine.mixed import MixedSteps
 from cluster.engine.model import CausalLM, compile_kernels
 from cluster.engine.observation import StepObservation, observation
 from cluster.engine.pipeline import DecodePipeline
-from cluster.engine.ranks import ParallelRunner, start_ranks
+from cluster.engine.ranks import ParallelRunner
 from cluster.engine.requests import RequestLimits, validate_request
 from cluster.engine.runner import Runner
 from cluster.engine.sampling import InvalidRequest, SamplingParams
@@ -94,7 +93,7 @@ class Engine:
         self.drafters = drafters or {}
         self.default_drafter = default_drafter
         self.planner = DraftPlanner(self.drafters, default_drafter)
-        self.startup["kv_cache_s"] = time.perf_counter() - t_start
+        self.startup["memory_s"] = time.perf_counter() - t_start  # the KV pool, sized by a pass (compiles)
         if p.device.type == "cuda" or self.runner.graphs is not None:  # compiled pieces, GEMV tuning and graphs now
             self.runner.warm_up(mixed=self.mixer is not None)
             self.startup.update(getattr(self.runner, "warmup", None) or {})
@@ -102,7 +101,6 @@ class Engine:
             for d in self.drafters.values():
                 d.warm_up()
             self.startup["drafters_s"] = time.perf_counter() - t
-            log.info("engine start-up (s): %s", ", ".join(f"{k} {v:.1f}" for k, v in self.startup.items()))
         self.eos = tokenizer.eos_token_id
         self.seqs: dict[str, Sequence] = {}
         self._controller = None
@@ -110,8 +108,9 @@ class Engine:
         self.on_verify: Callable[[object], None] | None = None  # StepObservation hook (metrics, autoscaling)
         self._ids = itertools.count()
         self._last_end: float | None = None  # end of the previous step, if it was a verify step
-        # seconds waiting for drafts / in verify passes (with acceptance) / in mixed ones (cluster.engine.mixed)
-        self.totals = {"steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0,
+        # seconds waiting for drafts / in verify passes (with acceptance) / in mixed ones (cluster.engine.mixed);
+        # requests that ended by finishing (eos, stop, length) / by abort (the caller left)
+        self.totals = {"steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0, "finished": 0, "aborted": 0,
                        "draft_s": 0.0, "verify_s": 0.0, "mixed_steps": 0, "mixed_s": 0.0}
 
     @property
@@ -128,23 +127,10 @@ class Engine:
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str | None = "model",
                         cfg: EngineConfig | None = None) -> "Engine":
-        from cluster.engine.drafters.model import ModelDrafter
-        from cluster.engine.drafters.ngram import NgramDrafter
+        """An engine over a Hugging Face target (and draft) directory (cluster.engine.generate)."""
+        from cluster.engine.generate import from_pretrained
 
-        cfg = cfg or EngineConfig()
-        dtype = DTYPES[cfg.dtype]
-        group = start_ranks(str(target), cfg) if cfg.tensor_parallel_size > 1 else None
-        model = load_model(target, dtype, cfg.device if group is None else group.device, group)
-        drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
-        if draft is not None:
-            dm = load_model(draft, dtype, cfg.device)
-            if dm.shape.vocab_size != model.shape.vocab_size:
-                raise ValueError(f"draft vocab {dm.shape.vocab_size} != target vocab {model.shape.vocab_size}")
-            drafters["model"] = ModelDrafter(dm, cfg.max_num_seqs * 2, cfg.max_model_len)
-        if drafter is not None and drafter not in drafters:
-            raise ValueError(f"unknown drafter {drafter!r} (available: {', '.join(drafters)})")
-        tok = load_tokenizer(target)
-        return cls(model, tok, cfg, drafters, drafter, identity=str(Path(target).resolve().name))
+        return from_pretrained(cls, target, draft, drafter, cfg or EngineConfig())
 
     def close(self) -> None:
         """Stop a tensor-parallel engine's follower ranks (nothing to do for one process)."""
@@ -373,6 +359,7 @@ class Engine:
 
     def _release(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
+        self.totals["aborted" if reason == "abort" else "finished"] += 1
         self.scheduler.remove(seq)
         for d in self.drafters.values():
             d.release([seq.seq_id])
@@ -385,7 +372,7 @@ class Engine:
         if seq.params.logprobs is not None:
             out.logprobs = seq.logprobs[seq.sent_tokens - len(ids):seq.sent_tokens]
         if seq.finished:
-            out.stats = seq.stats.summary()
+            out.stats = seq.stats.summary(seq.spec.label)
             self.seqs.pop(seq.seq_id, None)
         return out
 

@@ -1,8 +1,32 @@
-"""Engine.generate: run prompts to completion through the step loop (tests, benches, the CLI)."""
+"""Engine.generate: run prompts to completion through the step loop (tests, benches, the CLI);
+Engine.from_pretrained: an engine from model directories."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from cluster.engine.sampling import SamplingParams
+
+
+def from_pretrained(engine_cls, target: str | Path, draft: str | Path | None, drafter: str | None, cfg):
+    from cluster.engine.drafters.model import ModelDrafter
+    from cluster.engine.drafters.ngram import NgramDrafter
+    from cluster.engine.engine import DTYPES
+    from cluster.engine.loader import load_model, load_tokenizer
+    from cluster.engine.ranks import start_ranks
+
+    dtype = DTYPES[cfg.dtype]
+    group = start_ranks(str(target), cfg) if cfg.tensor_parallel_size > 1 else None
+    model = load_model(target, dtype, cfg.device if group is None else group.device, group)
+    drafters = {"ngram": NgramDrafter()}
+    if draft is not None:
+        dm = load_model(draft, dtype, cfg.device)
+        if dm.shape.vocab_size != model.shape.vocab_size:
+            raise ValueError(f"draft vocab {dm.shape.vocab_size} != target vocab {model.shape.vocab_size}")
+        drafters["model"] = ModelDrafter(dm, cfg.max_num_seqs * 2, cfg.max_model_len)
+    if drafter is not None and drafter not in drafters:
+        raise ValueError(f"unknown drafter {drafter!r} (available: {', '.join(drafters)})")
+    return engine_cls(model, load_tokenizer(target), cfg, drafters, drafter, identity=str(Path(target).resolve().name))
 
 
 def run_to_completion(engine, prompts: list, params: SamplingParams | list[SamplingParams] | None,

@@ -39,7 +39,11 @@ class Scheduler:
         self.prefix_hit_tokens = 0
 
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.cfg.max_waiting:
+        # free batch places count as room: a burst that arrives before the next step admits
+        # anything must not be refused while the batch is empty (max_num_seqs + max_waiting
+        # requests are held, whatever the timing)
+        free = max(0, self.cfg.max_num_seqs - len(self.running))
+        if len(self.waiting) >= self.cfg.max_waiting + free:
             raise QueueFull(f"admission queue full ({self.cfg.max_waiting} waiting)")
         self.waiting.append(seq)
 

@@ -25,6 +25,11 @@ class SpecParams:
     mode: str = "auto"
     gamma: int = 0
 
+    @property
+    def label(self) -> str:
+        """"auto", "off", or a fixed gamma as a number ("4")."""
+        return str(self.gamma) if self.mode == "fixed" else self.mode
+
 
 @dataclass
 class SeqStats:
@@ -52,7 +57,8 @@ class SeqStats:
             self.proposed_per_pos[j] += 1
             self.accepted_per_pos[j] += j < num_acc
 
-    def summary(self) -> dict:
+    def summary(self, requested: str = "auto") -> dict:
+        """`requested`: the request's speculation (SpecParams.label), beside what it got."""
         itl = sorted(b - a for a, b in zip(self.token_times, self.token_times[1:]))
         pct = lambda q: 1e3 * itl[min(len(itl) - 1, int(q * len(itl)))] if itl else 0.0  # noqa: E731
         end = self.token_times[-1] if self.token_times else self.arrival
@@ -63,8 +69,9 @@ class SeqStats:
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "mean_accepted_len": (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0,
                 "per_position": [a / p if p else 0.0 for a, p in zip(self.accepted_per_pos, self.proposed_per_pos)],
-                "gamma": self.last_gamma,
+                "last_gamma": self.last_gamma,
                 "verify_steps": self.verify_steps,
+                "requested": requested,
             },
             "timing": {
                 "ttft_ms": 1e3 * ((self.first_token or end) - self.arrival),
@@ -138,3 +145,9 @@ class RequestOutput:
     num_prompt: int = 0
     stats: dict | None = None       # SeqStats.summary() on the final output
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This delta followed by a later one of the same request, as one delta."""
+        lps = None if self.logprobs is None and later.logprobs is None else (self.logprobs or []) + (later.logprobs or [])
+        return RequestOutput(self.seq_id, self.token_ids + later.token_ids, self.text + later.text, later.finished,
+                             later.finish_reason, later.num_prompt, later.stats, lps)

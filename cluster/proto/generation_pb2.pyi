@@ -74,22 +74,24 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("drafted", "accepted", "acceptance_rate", "mean_accepted_len", "per_position", "gamma", "verify_steps")
+    __slots__ = ("drafted", "accepted", "acceptance_rate", "mean_accepted_len", "per_position", "last_gamma", "verify_steps", "requested")
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_RATE_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_LEN_FIELD_NUMBER: _ClassVar[int]
     PER_POSITION_FIELD_NUMBER: _ClassVar[int]
-    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    LAST_GAMMA_FIELD_NUMBER: _ClassVar[int]
     VERIFY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_FIELD_NUMBER: _ClassVar[int]
     drafted: int
     accepted: int
     acceptance_rate: float
     mean_accepted_len: float
     per_position: _containers.RepeatedScalarFieldContainer[float]
-    gamma: int
+    last_gamma: int
     verify_steps: int
-    def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_len: _Optional[float] = ..., per_position: _Optional[_Iterable[float]] = ..., gamma: _Optional[int] = ..., verify_steps: _Optional[int] = ...) -> None: ...
+    requested: str
+    def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_len: _Optional[float] = ..., per_position: _Optional[_Iterable[float]] = ..., last_gamma: _Optional[int] = ..., verify_steps: _Optional[int] = ..., requested: _Optional[str] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("ttft_ms", "itl_ms_p50", "itl_ms_p99", "total_ms")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 
@@ -10,6 +12,7 @@ from ray import serve
 from ray.serve.config import gRPCOptions, HTTPOptions
 
 from cluster.config import ClusterConfig
+from cluster.serve import proxy_patch
 from cluster.serve.app import SERVICERS, build_app
 
 log = logging.getLogger(__name__)
@@ -29,7 +32,7 @@ def deploy(cfg: ClusterConfig, address: str | None = None, num_cpus: int | None 
             # must still place all three (they mostly wait on each other, not on the cores).
             num_cpus = max(4, os.cpu_count() or 1)
         ray.init(address=address, num_cpus=num_cpus, include_dashboard=None, namespace="spec-cluster",
-                 runtime_env=None, log_to_driver=False)
+                 runtime_env=RUNTIME_ENV, log_to_driver=False)
     cfg = start_embedded_kvdir(cfg)
     warn_if_open(cfg)
     start_serve(cfg, proxy_location)
@@ -63,22 +66,46 @@ def start_embedded_kvdir(cfg: ClusterConfig) -> ClusterConfig:
 
 
 def controller_options(cfg: ClusterConfig) -> dict:
-    """The proxies' message size limit is an env var Serve reads at import; proxies are
-    started by the controller and inherit its env."""
-    return {"runtime_env": {"env_vars": {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(cfg.network.max_message_bytes)}}}
+    """The proxies' message size limit is an env var Serve reads at import, and the gRPC
+    bind address one that cluster.serve.proxy_patch reads: proxies are started by the
+    controller and inherit its env."""
+    return {"runtime_env": {"env_vars": {"RAY_SERVE_GRPC_MAX_MESSAGE_SIZE": str(cfg.network.max_message_bytes),
+                                         proxy_patch.HOST_ENV: cfg.network.host}}}
+
+
+# The job's runtime env for a driver that starts Serve: every worker of the job, the Serve
+# proxies included, runs cluster.serve.proxy_patch first (Serve's controller options take
+# env_vars only)
+RUNTIME_ENV = {"worker_process_setup_hook": "cluster.serve.proxy_patch.apply"}
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def open_to_network(cfg: ClusterConfig) -> bool:
+    """The proxies (gRPC and HTTP, both on network.host) reach other hosts and take no key."""
+    from cluster.serve.admission import api_keys
+
+    return cfg.network.host not in LOOPBACK and not api_keys(cfg.router)
 
 
 def warn_if_open(cfg: ClusterConfig) -> None:
     """Loudly, where anyone who reaches a port can use the cluster without a key."""
-    from cluster.serve.admission import api_keys
+    if open_to_network(cfg):
+        log.warning("gRPC and HTTP on %s (ports %d, %d) with no API keys: anyone who reaches them can generate "
+                    "(set router.api_keys or router.api_keys_env)", cfg.network.host, cfg.network.grpc_port,
+                    cfg.network.http_port)
 
-    if api_keys(cfg.router):
-        return
-    if cfg.network.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("HTTP API on %s:%d with no API keys: anyone who reaches it can generate "
-                    "(set router.api_keys or router.api_keys_env)", cfg.network.host, cfg.network.http_port)
-    log.warning("gRPC port %d listens on every interface (Serve's gRPC proxy binds [::]) and no API keys are "
-                "set: firewall it or set router.api_keys / router.api_keys_env", cfg.network.grpc_port)
+
+class _Misleading(logging.Filter):
+    """Serve's notice, at serve.run after our serve.start, that options "will not be applied":
+    there are none to apply (start_serve gave them already), but it reads as if ours were lost."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "will not be applied" not in record.getMessage()
+
+
+logging.getLogger("ray.serve").addFilter(_Misleading())
 
 
 def start_serve(cfg: ClusterConfig, proxy_location: str = "EveryNode") -> None:
@@ -95,7 +122,11 @@ def run_app(cfg: ClusterConfig, blocking: bool = False) -> None:
 def shutdown() -> None:
     global _stop_kvdir
     try:
-        serve.shutdown()  # first, so verifiers remove their directory entries cleanly
+        # Serve's controller ends itself; the raylet then reports its pending long-poll and
+        # graceful_shutdown calls as failed ("killed by ray.kill ... infinite retries"), on this
+        # driver's stdout: the expected end of a clean shutdown, not news for the user
+        with contextlib.redirect_stdout(io.StringIO()):
+            serve.shutdown()  # first, so verifiers remove their directory entries cleanly
     finally:
         if ray.is_initialized():
             ray.shutdown()

@@ -25,6 +25,7 @@ from contextlib import ExitStack, aclosing
 
 from fastapi import FastAPI, Request
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, StreamingResponse
 
 from cluster.serve.admission import AdmissionError, GenerateInput, bearer_token
@@ -63,6 +64,16 @@ def error_body(e: RequestError) -> dict:
 def error_response(e: Exception) -> JSONResponse:
     error = e if isinstance(e, RequestError) else internal_error(e, "openai api")
     return JSONResponse(error_body(error), status_code=STATUS[error.kind])
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _routing_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """An unknown path or method, in OpenAI's error shape (FastAPI's own is {"detail": ...})."""
+    what = {404: ("no such route", "not_found_error"), 405: ("method not allowed", "invalid_request_error")}
+    message, kind = what.get(exc.status_code, (str(exc.detail), "invalid_request_error"))
+    body = {"error": {"message": f"{request.method} {request.url.path}: {message}", "type": kind, "param": None,
+                      "code": exc.status_code}}
+    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 # ---- decoding the body -----------------------------------------------------------------

@@ -111,12 +111,25 @@ class Verifier:
         except QueueFull as e:
             yield ErrorOutput(ErrorKind.EXHAUSTED, str(e))
             return
-        finished, last, itl = False, None, []
+        finished, last, itl, pending = False, None, [], None
         try:
             while not finished:
-                out = await q.get()
+                out = pending if pending is not None else await q.get()
+                pending = None
+                # what the engine produced while the last message was on its way goes as one:
+                # a busy replica sends fewer, larger messages instead of falling behind
+                while not isinstance(out, Exception) and not out.finished and not q.empty():
+                    more = q.get_nowait()
+                    if isinstance(more, Exception):
+                        pending = more
+                        break
+                    out = out.then(more)
                 if isinstance(out, RankFailure):  # as if the replica died: the router fails the call over
                     raise ReplicaDown(f"verifier {self.replica_id} lost a tensor-parallel rank: {out}")
+                if isinstance(out, (InvalidRequest, QueueFull)):  # refused when the engine took it
+                    yield ErrorOutput(ErrorKind.INVALID if isinstance(out, InvalidRequest) else ErrorKind.EXHAUSTED,
+                                      str(out))
+                    return
                 if isinstance(out, Exception):
                     yield ErrorOutput(ErrorKind.INTERNAL, f"verifier step failed: {out}")
                     return
@@ -135,8 +148,9 @@ class Verifier:
                 self.loop.abort(sid)
 
     def stats(self) -> dict:
-        with self.loop.lock:
-            s = self.engine.stats()
+        # counters and lengths, read while a step may run (a step apart at worst): taking the
+        # loop's lock would stall this replica's event loop, where Serve runs this, for a step
+        s = self.engine.stats()
         ctrl = self.engine.controller
         s.update(replica=self.replica_id, node_id=self.node_id, gpu_ids=self.gpu_ids, gamma=ctrl.snapshot().get("gamma", 0) if ctrl else self.engine.cfg.gamma,
                  verify_tokens=int(self.load.report("stats").get("verify_tokens", 0.0)), **self.figures.snapshot())

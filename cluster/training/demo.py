@@ -66,10 +66,10 @@ DRAFT_ARCH = dict(
 # --------------------------------------------------------------------------
 
 
-# role-tagged turns, ending in an open assistant turn; the demo models were not trained on
-# chats, so this only makes /v1/chat/completions work, not answer well
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# The demo pair are code-completion models, not chat models: role tags made the target answer
+# "<html>" repeated. The messages' text, turns on lines of their own, is the code to continue,
+# so /v1/chat/completions answers as /v1/completions does (README's chat example)
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% if not loop.last %}\n{% endif %}{% endfor %}"
 
 
 def save_model(model, tokenizer, out_dir: Path, eos_id: int) -> None:

@@ -24,10 +24,15 @@ MAX_TOKENS = 24
 MODEL = "demo-target"
 
 
+def _prefix(name: str) -> str:
+    """The tiny app keeps the default route prefix: its API is at http://host:port/v1."""
+    return "/" if name == TINY else f"/{name}"
+
+
 def _config(ports, name: str, router: dict) -> dict:
     return {
         "placement": "disaggregated",
-        "network": {"grpc_port": ports[0], "http_port": ports[1], "app_name": name, "route_prefix": f"/{name}"},
+        "network": {"grpc_port": ports[0], "http_port": ports[1], "app_name": name, "route_prefix": _prefix(name)},
         "engine": {"max_num_seqs": 32, "max_model_len": 512, "max_waiting": 128},
         "router": router,
         "verifier": {"ray_actor_options": {"num_cpus": 1, "accelerator_type": "H100"}},
@@ -50,7 +55,8 @@ def apps(serve_ports, demo_pair):
 
 
 def _client(ports, app=APP, key=KEY):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{ports[1]}/{app}/v1", api_key=key, max_retries=0, timeout=120)
+    base = f"http://127.0.0.1:{ports[1]}{_prefix(app).rstrip('/')}/v1"
+    return openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +242,32 @@ def test_disconnect_cancels_sequence(oai):
     stats = wait_idle(APP, timeout_s=30)
     assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
     assert stats["tokens"] - before < whole
+
+
+def test_default_route_prefix_serves_the_api_at_v1(apps):
+    """What every OpenAI client assumes: base_url http://host:port/v1."""
+    assert _config(apps, TINY, {})["network"]["route_prefix"] == parse_config({}).network.route_prefix == "/"
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{apps[1]}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    r = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, extra_body={"speculation": "off"})
+    assert r.usage.completion_tokens == 8 and r.choices[0].text
+    chat = c.chat.completions.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": PROMPT}])
+    assert chat.usage.completion_tokens == 8 and chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v1/nowhere", 404), ("POST", "/v2/completions", 404), ("GET", "/v1/completions", 405),
+    ("DELETE", "/v1/chat/completions", 405), ("PUT", "/v1/models", 405)])
+def test_unknown_paths_and_methods_get_openai_errors(apps, method, path, status):
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{apps[1]}{path}", method=method, data=b"{}" if method != "GET" else None,
+                                 headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    assert e.value.code == status
+    error = json.loads(e.value.read())["error"]
+    assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+    assert path in error["message"] and error["code"] == status

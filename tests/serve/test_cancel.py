@@ -1,0 +1,118 @@
+"""A client that leaves stops its sequence: 50 gRPC streams and 50 OpenAI SSE streams, each
+dropped after a few tokens, are all freed on the verifier within a second of the last one
+leaving, and none of them is finished (run to max_tokens) after its client left. Read from
+the verifier's own counters (engine totals `finished` and `aborted`, running sequences, KV).
+
+Before the engine loop took submits and aborts between steps (cluster.serve.loop), each
+abort waited for the step lock, which the engine thread takes back at once: the 50 were
+freed over 5-7 s, and sequences ran on to max_tokens meanwhile (this test, 2 cores).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from cluster.client import build_request
+from cluster.config import parse_config
+from cluster.proto import generation_pb2_grpc as pb_grpc
+from tests.serve.chaos import verifier_stats, wait_idle
+
+pytestmark = pytest.mark.slow
+openai = pytest.importorskip("openai")
+
+APP, N, MAX_TOKENS = "cancel", 50, 400
+
+META = [("application", APP)]
+# greedy: the demo target's continuation has no EOS within MAX_TOKENS, so a sequence can only
+# end by running to MAX_TOKENS (far past the few tokens read) or by its client leaving
+PROMPT = "import os\nimport sys\n\ndef main("
+
+
+@pytest.fixture(scope="module")
+def app(serve_ports, demo_pair):
+    from ray import serve
+
+    from cluster.serve.launch import run_app
+
+    run_app(parse_config({
+        "placement": "colocated",
+        "engine": {"max_num_seqs": 64, "max_waiting": 64, "max_model_len": 512},
+        "router": {"per_client_concurrency": 128},
+        "verifier": {"ray_actor_options": {"num_cpus": 1}},
+        "kvdir": {"url": None},
+        "network": {"grpc_port": serve_ports[0], "http_port": serve_ports[1], "app_name": APP,
+                    "route_prefix": f"/{APP}"},
+    }))
+    yield serve_ports
+    serve.delete(APP)
+
+
+def _leave_together(streams: list, after) -> float:
+    """Each stream reads a few tokens, then all leave at once; returns when the last left."""
+    started, ready, go = [], threading.Barrier(len(streams) + 1), threading.Event()
+
+    def one(i, open_stream):
+        it, close = open_stream(i)
+        try:
+            for _ in range(after(i)):
+                next(it)
+        finally:
+            started.append(i)
+            ready.wait(120)
+            go.wait(120)
+            close()
+
+    threads = [threading.Thread(target=one, args=(i, s)) for i, s in enumerate(streams)]
+    for t in threads:
+        t.start()
+    ready.wait(120)  # every stream is generating
+    go.set()
+    for t in threads:
+        t.join(60)
+    assert len(started) == len(streams)
+    return time.monotonic()
+
+
+def _check_freed(left_at: float, before: dict) -> None:
+    while True:
+        s = verifier_stats(APP)
+        if s["running"] == 0 and s["waiting"] == 0 and s["kv_slots_used"] == 0:
+            break
+        assert time.monotonic() - left_at < 1.0, f"still held a second after the clients left: {s}"
+        time.sleep(0.02)
+    print(f"freed {time.monotonic() - left_at:.2f} s after the clients left")
+    assert s["aborted"] - before["aborted"] == N, (s, before)
+    assert s["finished"] == before["finished"], "a sequence ran on to its end after its client left"
+    wait_idle(APP)
+
+
+def test_dropped_grpc_streams_stop(app):
+    before = wait_idle(APP)
+    with grpc.insecure_channel(f"localhost:{app[0]}") as ch:
+        stub = pb_grpc.GenerationStub(ch)
+
+        def open_stream(i):
+            call = stub.GenerateStream(build_request(PROMPT, max_tokens=MAX_TOKENS, speculation=4 if i % 2 else "off"),
+                                       metadata=META, timeout=120)
+            return call, call.cancel
+
+        left = _leave_together([open_stream] * N, lambda i: 1 + i % 5)
+        _check_freed(left, before)
+
+
+def test_dropped_sse_streams_stop(app):
+    before = wait_idle(APP)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{app[1]}/{APP}/v1", api_key="unused", max_retries=0,
+                           timeout=120)
+
+    def open_stream(i):
+        stream = client.completions.create(model="demo-target", prompt=PROMPT, max_tokens=MAX_TOKENS, stream=True,
+                                           temperature=0.0, extra_body={"speculation": 4 if i % 2 else "off"})
+        return iter(stream), stream.close
+
+    left = _leave_together([open_stream] * N, lambda i: 1 + i % 5)
+    _check_freed(left, before)
