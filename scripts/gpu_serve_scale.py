@@ -113,7 +113,9 @@ async def http_point(base: str, ps: list[str], c: int, spec) -> tuple[int, float
             ttft.append(1e3 * (first or 0.0))
 
     t = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+    # no connection cap: aiohttp's default of 100 held the first run's 256 streams to 100
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
         await asyncio.gather(*[worker(session) for _ in range(c)])
     return tokens[0], time.perf_counter() - t, ttft
 

@@ -28,6 +28,7 @@ from cluster.engine.drafting import DraftPlanner
 from cluster.engine.generate import run_to_completion
 from cluster.engine.hashing import model_seed
 from cluster.engine.kv_cache import KVCache
+from cluster.engine.loader import DTYPES  # noqa: F401 - re-exported (serve/build)
 from cluster.engine.logprobs import accepted_logprobs
 from cluster.engine.memory import num_kv_blocks
 from cluster.engine.mixed import MixedSteps
@@ -44,7 +45,6 @@ from cluster.engine.stopping import Detokenizer
 from cluster.engine.tree import keep_path
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Engine:

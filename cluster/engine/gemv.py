@@ -42,6 +42,13 @@ def _configs():
             if bn * bk <= 8192]
 
 
+def _bench(fn, quantiles=None):
+    """Autotuning's timer, shorter than Triton's default (25 ms warm-up, 100 ms a config): a
+    projection runs tens of microseconds, so 20 ms is hundreds of runs, and a cold start times
+    44 configs for every weight shape and row count (benchmarks/gpu/smoke: start-up phases)."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
 def _prune(configs, named_args, **kw):
     k = named_args.get("k_split", named_args["K"])  # the K range one program sums
     return [c for c in configs if k % c.kwargs["BLOCK_K"] == 0]
@@ -50,7 +57,7 @@ def _prune(configs, named_args, **kw):
 # cache_results: the tuning is kept in Triton's cache directory (engine.compile_cache_dir), so a
 # replica that starts again skips it
 @triton.autotune(configs=_configs(), key=["N", "K", "PRO", "RES", "HAS_BIAS"],
-                 prune_configs_by={"early_config_prune": _prune}, cache_results=True)
+                 prune_configs_by={"early_config_prune": _prune}, do_bench=_bench, cache_results=True)
 @triton.jit
 def _gemv(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, N, K, eps,
           PRO: tl.constexpr, RES: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -153,7 +160,8 @@ def _gemm_rows_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, part_ptr, M, 
 
 
 _gemm_rows = triton.autotune(configs=_rows_configs(), key=["N", "K", "k_split", "PRO", "RES", "HAS_BIAS"],
-                             prune_configs_by={"early_config_prune": _prune}, cache_results=True)(_gemm_rows_kernel)
+                             prune_configs_by={"early_config_prune": _prune}, do_bench=_bench,
+                             cache_results=True)(_gemm_rows_kernel)
 
 
 @triton.jit

@@ -10,6 +10,8 @@ import torch
 from cluster.engine.embedded import load_embedded
 from cluster.engine.model import CausalLM, load_hf_model
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # models.dtype
+
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str, group=None) -> CausalLM:
     """A Hugging Face directory (config.json + safetensors), or a directory with embed.json: a

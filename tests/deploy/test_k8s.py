@@ -136,6 +136,7 @@ def test_cpu_serve_config_v2_is_deploy_serve_config_with_redis(name):
     v2 = serve_config_v2(one(render(name), "RayService"))
     # the in-cluster Redis, and proxies bound to every interface (a VM's serve config keeps loopback)
     assert differing(v2, deploy_serve_config()) == {"/applications/0/args/cluster/kvdir/url", "/http_options/host",
+                                                    "/controller_options/runtime_env/env_vars/SPEC_CLUSTER_GRPC_HOST",
                                                     "/applications/0/args/cluster/network/host",
                                                     "/applications/0/args/cluster/network/drafter_host",
                                                     "/applications/0/args/cluster/router/api_keys_env"}
@@ -148,7 +149,8 @@ def test_hopper_serve_config_v2_differs_only_in_cluster_and_sizes():
 
     v2 = serve_config_v2(one(render("overlays/hopper"), "RayService"))
     assert v2 == yaml.safe_load(generate("configs/hopper.yaml", overrides=K8S_NETWORK))
-    allowed = ("/applications/0/args/cluster/", "/applications/0/deployments/", "/http_options/host")
+    allowed = ("/applications/0/args/cluster/", "/applications/0/deployments/", "/http_options/host",
+               "/controller_options/runtime_env/env_vars/SPEC_CLUSTER_GRPC_HOST")
     assert all(p.startswith(allowed) for p in differing(v2, deploy_serve_config()))
     app = v2["applications"][0]
     assert [d["name"] for d in app["deployments"]] == ["Router", "Verifier", "Drafter"]
@@ -215,8 +217,14 @@ def test_hopper_verifiers_only_fit_the_hopper_group():
     for group in (verifier, drafter):
         volumes = group["template"]["spec"]["volumes"]
         claims = [v["persistentVolumeClaim"]["claimName"] for v in volumes if "persistentVolumeClaim" in v]
-        assert claims == ["spec-cluster-models"]
-    assert one(render("overlays/hopper"), "PersistentVolumeClaim")["metadata"]["name"] == "spec-cluster-models"
+        # the weights, and the compile cache (configs/hopper.yaml engine.compile_cache_dir) for warm starts
+        assert claims == ["spec-cluster-models", "spec-cluster-compile-cache"]
+    pvcs = [d for d in render("overlays/hopper") if d["kind"] == "PersistentVolumeClaim"]
+    assert sorted(p["metadata"]["name"] for p in pvcs) == ["spec-cluster-compile-cache", "spec-cluster-models"]
+    mounts = {m["name"]: m["mountPath"] for m in groups(one(render("overlays/hopper"), "RayService"))["verifier"]
+              ["template"]["spec"]["containers"][0]["volumeMounts"]}
+    cache = yaml.safe_load((REPO / "configs" / "hopper.yaml").read_text())["engine"]["compile_cache_dir"]
+    assert cache.startswith(mounts["compile-cache"] + "/")
 
 
 def test_hopper_70b_pods_hold_the_gpus_of_one_verifier_replica():
@@ -246,9 +254,13 @@ def test_hopper_70b_pods_hold_the_gpus_of_one_verifier_replica():
     assert not fits(replica, ray_resources(g["drafter"]))
     assert fits(demand(entries["Drafter"]["ray_actor_options"]), ray_resources(g["drafter"]))
     assert fits(demand(entries["Router"]["ray_actor_options"]), ray_resources(g["drafter"]))
-    pvc = one(render("overlays/hopper-70b"), "PersistentVolumeClaim")
-    assert int(pvc["spec"]["resources"]["requests"]["storage"].removesuffix("Gi")) >= 150  # 141 GB of 70B weights
-    assert one(render("overlays/hopper"), "PersistentVolumeClaim")["spec"]["resources"]["requests"]["storage"] == "100Gi"
+    def models_pvc(overlay: str) -> dict:
+        return next(d for d in render(overlay)
+                    if d["kind"] == "PersistentVolumeClaim" and d["metadata"]["name"] == "spec-cluster-models")
+
+    size = models_pvc("overlays/hopper-70b")["spec"]["resources"]["requests"]["storage"]
+    assert int(size.removesuffix("Gi")) >= 150  # 141 GB of 70B weights
+    assert models_pvc("overlays/hopper")["spec"]["resources"]["requests"]["storage"] == "100Gi"
 
 
 @pytest.mark.parametrize("name", ["base", "overlays/dev"])

@@ -49,7 +49,7 @@ def test_serve_config_file_is_a_serve_deploy_schema():
     assert schema.grpc_options.grpc_servicer_functions == SERVICERS
     assert schema.http_options.port == 8000 and schema.http_options.host == "127.0.0.1"  # network.host
     [app] = schema.applications
-    assert (app.name, app.route_prefix, app.import_path) == ("spec-cluster", "/spec", deploy_config.IMPORT_PATH)
+    assert (app.name, app.route_prefix, app.import_path) == ("spec-cluster", "/", deploy_config.IMPORT_PATH)
     assert [d.name for d in app.deployments] == ["Router", "Verifier", "Drafter"]
 
 
