@@ -18,16 +18,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
-
-import yaml
 
 OUT = Path(os.environ.get("OUT", "."))
 LEVELS = [int(x) for x in os.environ.get("LEVELS", "64,256").split(",")]
@@ -122,27 +116,12 @@ async def http_point(base: str, ps: list[str], c: int, spec) -> tuple[int, float
 
 def endpoint(results: dict, tok) -> None:
     from cluster.bench.load import run_grpc
+    from cluster.bench.served import served
     from cluster.client import Client
 
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    path = Path(tempfile.mkdtemp()) / "scale.yaml"
-    path.write_text(yaml.safe_dump({**CONFIG, "network": {"grpc_port": ports[0], "http_port": ports[1]}}))
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", "--config", str(path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        for line in proc.stdout:
-            if "spec-cluster ready" in line or "error" in line.lower():
-                log("up:", line.rstrip())
-            if "spec-cluster ready" in line:
-                break
-        else:
-            raise RuntimeError(f"spec-cluster up exited with {proc.wait()}")
-        threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep its pipe drained
-        address, base = f"127.0.0.1:{ports[0]}", f"http://127.0.0.1:{ports[1]}/v1"
+    with served(CONFIG, echo=lambda line: None) as up:
+        log(f"endpoint ready in {up.ready_s:.0f} s")
+        address, base = up.grpc, up.http
         run_grpc(address, None, prompts(tok, 16, 98), 16, NEW_TOKENS, "off")  # warm
         for c in LEVELS:
             for s in SPECS:
@@ -179,12 +158,6 @@ def endpoint(results: dict, tok) -> None:
                     reach = next((t for t, n in running if n >= min(c, 256)), None)
                     log(f"{api} c={c} spec={s}: {tps:.0f} tok/s ({point[f'{api}_over_engine']} of the engine), "
                         f"running peak {peak}, reached {min(c, 256)} at {reach} s")
-    finally:
-        proc.send_signal(2)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def plot(results: dict) -> None:

@@ -19,9 +19,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 import traceback
 import urllib.request
@@ -67,6 +64,13 @@ def engine_for(models: dict, engine: dict | None = None, **top):
     cfg = {"models": {"dtype": "bfloat16" if GPU else "float32", "device": DEVICE, **models}, "placement": "colocated",
            "engine": {"compile": GPU, "compile_cache_dir": CACHE, **(engine or {})}, **top}
     return build_engine(parse_config(cfg))
+
+
+def engine_8b():
+    """The demo pair in Llama-3.1-8B dimensions with the Hopper config's engine shape."""
+    return engine_for({"target": "demo-8b-target", "draft": "demo-8b-draft"},
+                      {"max_num_seqs": 256, "max_model_len": 4096, "max_batch_tokens": 2048, "prefill_chunk": 512,
+                       "gpu_memory_utilization": 0.5}, speculation={"gamma_max": 8})
 
 
 def need(ok: bool, why: str) -> None:
@@ -127,9 +131,7 @@ def free(engine) -> None:
 
 def part_8b() -> None:
     t = time.time()
-    e = engine_for({"target": "demo-8b-target", "draft": "demo-8b-draft"},
-                   {"max_num_seqs": 256, "max_model_len": 4096, "max_batch_tokens": 2048, "prefill_chunk": 512,
-                    "gpu_memory_utilization": 0.5}, speculation={"gamma_max": 8})
+    e = engine_8b()
     RESULTS["start_8b_cold"] = {"status": "PASS", "s": round(time.time() - t, 1), "phases": e.startup}
     log("8B engine up:", json.dumps(e.startup))
 
@@ -200,50 +202,24 @@ def part_engine(name: str, engine_cfg: dict, tol: float = 0.5, n: int = 5, expec
 
 
 def part_serve() -> None:
+    from cluster.bench.served import served
+    from cluster.client import Client
+
+    cfg = {"models": {"target": "demo-target", "draft": "demo-draft", "dtype": "bfloat16" if GPU else "float32",
+                      "device": DEVICE},
+           "engine": {"max_num_seqs": 16, "kv_cache_gb": 2, "compile_cache_dir": CACHE},
+           "placement": "colocated", "verifier": {"ray_actor_options": {"num_gpus": 1} if GPU else {}}}
+
     def serve():
-        import socket
-
-        import yaml
-
-        ports = []
-        for _ in range(2):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                ports.append(s.getsockname()[1])
-        cfg = {"models": {"target": "demo-target", "draft": "demo-draft", "dtype": "bfloat16" if GPU else "float32",
-                          "device": DEVICE},
-               "engine": {"max_num_seqs": 16, "kv_cache_gb": 2, "compile_cache_dir": CACHE},
-               "placement": "colocated", "verifier": {"ray_actor_options": {"num_gpus": 1} if GPU else {}}}
-        path = Path(tempfile.mkdtemp()) / "smoke.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "up", "--config", str(path), "--port", str(ports[0]),
-                                 "--http-port", str(ports[1])], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            t = time.time()
-            for line in proc.stdout:
-                print("  up:", line.rstrip(), flush=True)
-                if "spec-cluster ready" in line:
-                    break
-            else:
-                raise RuntimeError(f"spec-cluster up exited with {proc.wait()}")
-            ready = time.time() - t
-            from cluster.client import Client
-
-            with Client(f"127.0.0.1:{ports[0]}", timeout=60) as c:
+        with served(cfg, echo=lambda line: print(line, flush=True)) as up:
+            with Client(up.grpc, timeout=60) as c:
                 r = c.generate("def fibonacci(n):", max_tokens=32, speculation=4)
             assert len(r.token_ids) == 32, r
             body = json.dumps({"model": "demo-target", "prompt": "import os", "max_tokens": 16}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{ports[1]}/v1/completions", body,
-                                         {"content-type": "application/json"})
+            req = urllib.request.Request(f"{up.http}/completions", body, {"content-type": "application/json"})
             answer = json.loads(urllib.request.urlopen(req, timeout=60).read())
             assert answer["usage"]["completion_tokens"] == 16, answer
-            return {"ready_s": round(ready, 1), "grpc_tokens": len(r.token_ids)}
-        finally:
-            proc.send_signal(2)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            return {"ready_s": round(up.ready_s, 1), "grpc_tokens": len(r.token_ids)}
 
     check("serve_grpc_and_openai", serve)
 
@@ -264,9 +240,7 @@ def main() -> int:
     log(device, "parts:", ",".join(PARTS))
     if PARTS == ["start"]:  # a second process: the warm start
         t = time.time()
-        e = engine_for({"target": "demo-8b-target", "draft": "demo-8b-draft"},
-                       {"max_num_seqs": 256, "max_model_len": 4096, "max_batch_tokens": 2048, "prefill_chunk": 512,
-                        "gpu_memory_utilization": 0.5}, speculation={"gamma_max": 8})
+        e = engine_8b()
         RESULTS["start_8b_warm"] = {"status": "PASS", "s": round(time.time() - t, 1), "phases": e.startup}
         log("8B engine up (warm):", json.dumps(e.startup))
     steps = {"8b": part_8b, "demo": part_demo, "tree": part_tree, "serve": part_serve, "tp": part_tp,
