@@ -73,7 +73,7 @@ class BlockPool:
     @property
     def num_cached_free(self) -> int:
         """Free blocks that still hold a reusable prefix (counted as they change: stats are
-        read every second under the engine's lock, and the free list is the whole pool)."""
+        read every second, while steps run, and the free list is the whole pool)."""
         return self._cached_free
 
     def hashes(self) -> list[int]:

@@ -23,8 +23,6 @@ import torch
 
 
 class CudaGraphs:
-    name = "cuda"
-
     @staticmethod
     def host(n: int) -> torch.Tensor:
         """[n] int64 host buffer the device copies from without a sync (pinned)."""
@@ -75,8 +73,6 @@ class _EagerGraph:
 
 class Eager:
     """The stand-in: same interface, bodies run eagerly at every replay."""
-
-    name = "eager"
 
     @staticmethod
     def host(n: int) -> torch.Tensor:
