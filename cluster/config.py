@@ -86,6 +86,9 @@ class DeploymentSection(_Strict):
 
 
 class RouterSection(_Strict):
+    num_replicas: int = Field(1, ge=1)
+    """Router replicas (tokenizing, admission and streaming run in each; Serve's proxies
+    spread requests over them)."""
     max_inflight: int = Field(512, ge=1)
     """Requests in flight per router replica; beyond it RESOURCE_EXHAUSTED."""
     max_prompt_chars: int = Field(65536, ge=1)
@@ -100,7 +103,8 @@ class RouterSection(_Strict):
     """Name of an environment variable (in the router's process) holding more keys,
     comma-separated: keeps keys out of the config, e.g. a Kubernetes Secret as env."""
     per_client_concurrency: int = Field(64, ge=1)
-    """Concurrent requests per API key (or per peer without keys)."""
+    """Concurrent requests per API key (or per peer without keys), across the router
+    replicas: each admits its share, per_client_concurrency / num_replicas (at least 1)."""
     drafter_timeout_s: float = Field(2.0, gt=0)
     """A draft call slower than this is dropped; the step decodes plainly."""
     drafter_transport: Literal["direct", "handle"] = "direct"
@@ -108,6 +112,10 @@ class RouterSection(_Strict):
     request to the replica's own port, found through the Serve handle (0.25 ms a round trip on
     the H100 host); `handle`, through Serve's request path (4.8 ms; `spec-cluster bench hop`).
     Drafter ports must be reachable for direct."""
+    stream_interval_ms: float = Field(20.0, ge=0)
+    """A verifier sends a streaming request's tokens at most once per this many ms (the first
+    at once): each message crosses two Serve hops (verifier -> router -> proxy) whose cost is
+    per message, not per token. 0: one message per engine step."""
     failover_wait_s: float = Field(5.0, ge=0)
     """When the verifier serving a request dies, the router resubmits it (prompt plus the
     tokens already streamed) to another replica, retrying for up to this long while Serve

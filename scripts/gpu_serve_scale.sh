@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The served endpoint against the in-process engine on one GPU (scripts/gpu_serve_scale.py).
+# The served endpoint against the in-process engine on one GPU (cluster/bench/serve_scale.py).
 #   run: bash scripts/gpu_serve_scale.sh     carry: [".device-bundle-multi"]
 set -o pipefail
 export BUNDLE=${BUNDLE:-.device-bundle-multi}
@@ -7,4 +7,4 @@ bash "$BUNDLE/unpack.sh" || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 mkdir -p /tmp/site/ray/dashboard/client/build/static  # see scripts/gpu_smoke.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
-python3 scripts/gpu_serve_scale.py 2>&1 | grep -v "^\s*$" | tee "${OUT:-.}/serve_scale.log"
+python3 -m cluster.bench.serve_scale 2>&1 | grep -v "^\s*$" | tee "${OUT:-.}/serve_scale.log"

@@ -14,6 +14,7 @@ BENCHES = {
     "policy": ("cluster.bench.policy_bench", "speculation policies against concurrency"),
     "routing": ("cluster.bench.routing_bench", "cache-aware vs default routing on shared prefixes"),
     "kvdir": ("cluster.bench.kvdir_bench", "KV block directory throughput and overlap latency"),
+    "serve-scale": ("cluster.bench.serve_scale", "the served endpoint against the in-process engine, off/gamma/auto"),
     "hop": ("cluster.bench.hop_bench", "verifier -> drafter round trip: Serve handle, gRPC, ZeroMQ"),
 }
 

@@ -100,6 +100,9 @@ class Admission:
         self.api_keys = api_keys(cfg.router)
         self.inflight = 0
         self.per_client: Counter[str] = Counter()
+        # a client's share in each router replica: the shares never add up past the limit,
+        # and Serve's proxies spread a client's requests over the replicas by their load
+        self.client_limit = max(1, cfg.router.per_client_concurrency // cfg.router.num_replicas)
 
     def authenticate(self, token: str | None, peer: str) -> str:
         """The client a request counts against: `key-<i>` for the i-th API key or, when no
@@ -166,8 +169,10 @@ class Admission:
         r = self.settings
         if self.inflight >= r.max_inflight:
             raise AdmissionError(ErrorKind.EXHAUSTED, f"router at capacity ({r.max_inflight} requests in flight)")
-        if self.per_client[client] >= r.per_client_concurrency:
-            raise AdmissionError(ErrorKind.EXHAUSTED, f"client concurrency limit reached ({r.per_client_concurrency})")
+        if self.per_client[client] >= self.client_limit:
+            raise AdmissionError(ErrorKind.EXHAUSTED, f"client concurrency limit reached ({r.per_client_concurrency}"
+                                 + (f", {self.client_limit} in each of {r.num_replicas} routers)"
+                                    if r.num_replicas > 1 else ")"))
         self.inflight += 1
         self.per_client[client] += 1
         try:

@@ -70,7 +70,7 @@ def build_app(cfg: ClusterConfig) -> Application:
                                 request_router_config=request_router_config(cfg)).bind(data, drafter, board)
     # the Router refuses past max_inflight itself; max_queued_requests bounds what waits in
     # the proxies for a Router slot (RESOURCE_EXHAUSTED beyond), which is unbounded by default
-    return Router.options(max_ongoing_requests=cfg.router.max_inflight * 2,
+    return Router.options(num_replicas=cfg.router.num_replicas, max_ongoing_requests=cfg.router.max_inflight * 2,
                           max_queued_requests=cfg.router.max_inflight).bind(data, verifier, board)
 
 

@@ -1,4 +1,5 @@
-"""The Verifier deployment: owns sequences, KV and the continuous-batching loop.
+"""The Verifier deployment: a replica's front to its engine core (cluster.serve.core), which
+owns sequences, KV and the continuous-batching loop in a process of its own.
 
 `generate` streams `RequestOutput`s for one `GenerateCall` (cluster.serve.calls); an
 ingress consumes them. Request errors come back as an `ErrorOutput` item rather than an
@@ -20,6 +21,7 @@ from cluster.engine.sampling import InvalidRequest
 from cluster.engine.scheduler import QueueFull
 from cluster.policy.autoscaling import VerifyLoadMeter
 from cluster.serve.calls import ErrorKind, ErrorOutput, GenerateCall
+from cluster.serve.core_client import CoreGone
 from cluster.serve.metrics import VerifierMetrics
 from cluster.serve.stats import DRAFTING_S, FRESH_S, KEEP_S, REPORT_S, VerifierFigures
 
@@ -33,11 +35,13 @@ class ReplicaDown(RuntimeError):
 
 @serve.deployment(name="Verifier")
 class Verifier:
+    """The engine runs in an EngineCore actor beside this replica (cluster.serve.core): this
+    process only admits, fans each step's outputs out to the streams, and reports."""
+
     def __init__(self, config: dict, drafter=None, board=None):
         from cluster.config import ClusterConfig
-        from cluster.serve.build import build_engine, remote_drafters
-        from cluster.serve.drafter import RemoteDrafter
-        from cluster.serve.loop import EngineLoop
+        from cluster.serve.core_actor import socket_pair, start_core
+        from cluster.serve.core_client import CoreClient
 
         cfg = ClusterConfig.model_validate(config)
         ctx = serve.get_replica_context()
@@ -46,86 +50,85 @@ class Verifier:
         # what Ray gave this replica (the multi-GPU runs check that replicas meant to hold a GPU
         # of their own do): GPU ids as strings, as ray.get_gpu_ids() names them
         self.gpu_ids = [str(g) for g in ray.get_gpu_ids()]
-        # one client per drafter the Drafter replicas host, each call naming its drafter
-        self.remotes = {name: RemoteDrafter(drafter, cfg.router.drafter_timeout_s, self.replica_id,
-                                            cfg.router.drafter_transport, name)
-                        for name in (remote_drafters(cfg) if drafter else [])}
-        for r in self.remotes.values():
-            if not cfg.engine.draft_look_ahead:
-                r.look_ahead = None
-        if cfg.engine.tensor_parallel_size > 1:  # ranks 1..N-1 in this replica's placement group
-            from cluster.serve.followers import start_followers
-
-            self.engine = build_engine(cfg, self.remotes, start=start_followers)
-        else:
-            self.engine = build_engine(cfg, self.remotes)
         self.cfg = cfg
         # Three readers (autoscaling, routing stats, GetStats), each with its own window.
         self.load = VerifyLoadMeter(readers=("autoscaling", "routing", "stats"))
         self.metrics = VerifierMetrics(self.replica_id, cfg.models.target)
         self.figures = VerifierFigures()  # the same figures for GetStats
-        self.engine.on_verify = self._observe
-        self.loop = EngineLoop(self.engine, on_idle=self._flush if self.remotes else None)
+        self.prefixes: set[int] = set()  # the core's cached prefix blocks, as its steps report them
+        inbox, outbox = socket_pair()
+        self.core, self.info = start_core(config, drafter, self.replica_id, inbox, outbox)
+        self.done = self.core.run.remote()
+        self.client = CoreClient(inbox, outbox, self.info, on_step=self._on_step)
+        threading.Thread(target=self._watch, name="core-watch", daemon=True).start()
+        self.stream_s = cfg.router.stream_interval_ms / 1e3
         self.publisher = self._make_publisher(cfg)
         self.board = board
         self.drafted_at = (0, float("-inf"))  # the draft count, and when it last rose
         if board is not None:
             threading.Thread(target=self._report, name="stats-report", daemon=True).start()
-        log.info("verifier %s ready: backend=%s placement=%s", self.replica_id, self.engine.backend, cfg.placement)
+        log.info("verifier %s ready: backend=%s placement=%s core pid %s", self.replica_id,
+                 self.info["backend"], cfg.placement, self.info["pid"])
 
-    def _flush(self) -> None:
-        for r in self.remotes.values():
-            r.flush()
+    def _watch(self) -> None:
+        """The core's run ends only when it is stopped or dies: either way nothing more comes."""
+        try:
+            ray.get(self.done)
+            error: BaseException = RuntimeError("engine core stopped")
+        except Exception as e:  # noqa: BLE001 - its death or its error, as Ray reports them
+            error = e
+        if self.client.alive:
+            self.client.gone(error)
+
+    def _on_step(self, observations, stored, evicted) -> None:
+        for obs in observations:
+            self.load.note_step(obs.verify_tokens)
+            self.metrics.step(obs)
+            self.figures.step(obs)
+        if stored or evicted:
+            self.prefixes.update(stored)
+            self.prefixes.difference_update(evicted)
+            if self.publisher is not None:
+                self.publisher.stored(stored)
+                self.publisher.evicted(evicted)
 
     def _make_publisher(self, cfg):
         """Publish this replica's prefix blocks to the KV directory the router reads."""
-        pool = self.engine.kv.pool
-        if not cfg.kvdir.url or not pool.prefix_caching:
+        if not cfg.kvdir.url or not self.info["prefix_caching"]:
             return None
         from cluster.kvdir import BlockPublisher, make_directory
 
         directory = make_directory(cfg.kvdir.url, cfg.name, cfg.models.target, cfg.kvdir.ttl_s)
-        pub = BlockPublisher(directory, self.replica_id, cfg.kvdir.ttl_s, snapshot=pool.hashes)
-        pool.on_change = lambda stored, evicted: (pub.stored(stored), pub.evicted(evicted))
+        pub = BlockPublisher(directory, self.replica_id, cfg.kvdir.ttl_s, snapshot=lambda: list(self.prefixes))
         try:
             pub.start()  # Serve runs __init__ on the replica's event loop
         except RuntimeError:  # built outside Serve: generate() starts it on its loop
             pass
         return pub
 
-    def _observe(self, obs) -> None:
-        self.load.note_step(obs.verify_tokens)
-        self.metrics.step(obs)
-        self.figures.step(obs)
-
     async def generate(self, call: GenerateCall):
         if self.publisher is not None:
             self.publisher.start()  # no-op once running
-        if not self.loop.alive:  # the replica is going down (check_health): the router retries elsewhere
-            raise ReplicaDown(f"verifier {self.replica_id} is down: {self.loop.error}")
+        if not self.client.alive:  # the replica is going down (check_health): the router retries elsewhere
+            raise ReplicaDown(f"verifier {self.replica_id} is down: {self.client.error}")
         try:
-            sid, q = self.loop.submit(call.prompt_ids, call.params, call.spec, call.drafter, call.request_id)
+            sid, q = self.client.submit(call.prompt_ids, call.params, call.spec, call.drafter, call.request_id)
         except InvalidRequest as e:
             yield ErrorOutput(ErrorKind.INVALID, str(e))
             return
         except QueueFull as e:
             yield ErrorOutput(ErrorKind.EXHAUSTED, str(e))
             return
-        finished, last, itl, pending = False, None, [], None
+        finished, last, itl, sent = False, None, [], None
         try:
             while not finished:
-                out = pending if pending is not None else await q.get()
-                pending = None
-                # what the engine produced while the last message was on its way goes as one:
-                # a busy replica sends fewer, larger messages instead of falling behind
-                while not isinstance(out, Exception) and not out.finished and not q.empty():
-                    more = q.get_nowait()
-                    if isinstance(more, Exception):
-                        pending = more
-                        break
-                    out = out.then(more)
-                if isinstance(out, RankFailure):  # as if the replica died: the router fails the call over
-                    raise ReplicaDown(f"verifier {self.replica_id} lost a tensor-parallel rank: {out}")
+                out = await q.get()
+                if sent is not None and self.stream_s > 0 and not _final(out):
+                    # at most one message a stream_interval: what comes meanwhile goes with it
+                    await asyncio.sleep(self.stream_s - (time.perf_counter() - sent))
+                out = _merge(out, q)
+                if isinstance(out, (RankFailure, CoreGone)):  # as if the replica died: the router fails the call over
+                    raise ReplicaDown(f"verifier {self.replica_id} lost its engine: {out}")
                 if isinstance(out, (InvalidRequest, QueueFull)):  # refused when the engine took it
                     yield ErrorOutput(ErrorKind.INVALID if isinstance(out, InvalidRequest) else ErrorKind.EXHAUSTED,
                                       str(out))
@@ -134,25 +137,25 @@ class Verifier:
                     yield ErrorOutput(ErrorKind.INTERNAL, f"verifier step failed: {out}")
                     return
                 now = time.perf_counter()
-                if last is not None and out.token_ids:  # a step's tokens share its interval
+                if last is not None and out.token_ids:  # a message's tokens share its interval
                     itl += [1e3 * (now - last) / len(out.token_ids)] * len(out.token_ids)
                 last = now
                 finished = out.finished
                 if finished:
-                    self.metrics.finished(out.stats["timing"], itl, self.engine.kv.pool.stats.hit_rate)
+                    self.metrics.finished(out.stats["timing"], itl, self.client.hit_rate)
                     self.figures.finished(out.stats["timing"]["ttft_ms"], itl)
                     out.replica = self.replica_id  # the Router reports it (GenerateResponse.replica)
                 yield out
+                sent = time.perf_counter()
         finally:
             if not finished:  # cancelled by the caller, or its deadline passed: free everything
-                self.loop.abort(sid)
+                self.client.abort(sid)
 
-    def stats(self) -> dict:
-        # counters and lengths, read while a step may run (a step apart at worst): taking the
-        # loop's lock would stall this replica's event loop, where Serve runs this, for a step
-        s = self.engine.stats()
-        ctrl = self.engine.controller
-        s.update(replica=self.replica_id, node_id=self.node_id, gpu_ids=self.gpu_ids, gamma=ctrl.snapshot().get("gamma", 0) if ctrl else self.engine.cfg.gamma,
+    async def stats(self) -> dict:
+        return self._stats(await asyncio.wrap_future(self.client.request_stats()))
+
+    def _stats(self, s: dict) -> dict:
+        s.update(replica=self.replica_id, node_id=self.node_id, gpu_ids=self.gpu_ids,
                  verify_tokens=int(self.load.report("stats").get("verify_tokens", 0.0)), **self.figures.snapshot())
         if self.publisher is not None:
             s["kvdir_available"] = 1 if self.publisher.directory.available else 0
@@ -162,24 +165,23 @@ class Verifier:
         return s
 
     def model_info(self) -> dict:
-        m = self.engine.model.shape
-        return {"target": self.cfg.models.target, "draft": self.cfg.models.draft or "", "vocab_size": m.vocab_size,
-                "max_model_len": self.engine.max_model_len, "attention_backend": self.engine.backend,
-                "dtype": self.cfg.models.dtype, "block_size": self.engine.cfg.block_size,
-                "placement": self.cfg.placement,
+        i = self.info
+        return {"target": self.cfg.models.target, "draft": self.cfg.models.draft or "", "vocab_size": i["vocab_size"],
+                "max_model_len": i["max_model_len"], "attention_backend": i["attention_backend"],
+                "dtype": self.cfg.models.dtype, "block_size": i["block_size"], "placement": self.cfg.placement,
                 # an ingress refuses a drafter this deployment lacks before the call is routed
-                "drafters": sorted(self.engine.drafters)}
+                "drafters": i["drafters"]}
 
     def record_routing_stats(self) -> dict:
         return {"verify_tokens": self.load.report("routing").get("verify_tokens", 0.0),
-                "running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting)}
+                "running": self.client.running, "waiting": self.client.waiting}
 
     def record_autoscaling_stats(self) -> dict:
         return self.load.report("autoscaling")
 
     def check_health(self) -> None:
-        if not self.loop.alive:
-            raise RuntimeError(f"engine loop is dead: {self.loop.error}")
+        if not self.client.alive:
+            raise RuntimeError(f"engine core is down: {self.client.error}")
 
     def _report(self) -> None:
         """Push stats to the board every REPORT_S; take back the cluster's in-flight count for
@@ -187,10 +189,10 @@ class Verifier:
         period (GetStats drops a replica silent for FRESH_S). The KV pool's metrics are set
         here too, whether or not steps run."""
         sent, late_logged = None, False
-        while self.loop.alive:
+        while self.client.alive:
             started = time.monotonic()
             try:
-                stats = self.stats()
+                stats = self._stats(self.client.request_stats().result(timeout=FRESH_S))
                 try:
                     self.metrics.kv(stats)
                 except Exception as e:  # metrics are advice too: the report still goes
@@ -198,9 +200,7 @@ class Verifier:
                 if sent is not None:
                     try:
                         inflight, replicas = sent.result(timeout_s=0)
-                        self.engine.cluster_inflight = inflight
-                        if self.engine.controller:
-                            self.engine.controller.set_num_verifier_replicas(max(1, replicas))
+                        self.client.set_inflight(inflight, replicas)
                     except TimeoutError:
                         pass  # still on its way: its count is a period older next time
                 sent = self.board.report.remote(self.replica_id, stats)
@@ -214,16 +214,28 @@ class Verifier:
 
     async def __del__(self):
         """Serve awaits this on clean shutdown: drop our directory entries now, not a TTL later."""
-        if getattr(self, "loop", None):
-            self.loop.stop()
-        if getattr(self, "engine", None):
-            self.engine.close()  # tensor-parallel followers: STOP (Ray ends them with the replica anyway)
+        if getattr(self, "client", None):
+            self.client.stop()  # the core stops its followers (tensor parallel) and ends
         if getattr(self, "publisher", None) is not None:
             try:
                 await asyncio.wait_for(self.publisher.stop(), timeout=2.0)
             except asyncio.TimeoutError:
                 log.warning("kv directory cleanup timed out; entries expire after %ss", self.cfg.kvdir.ttl_s)
             await self.publisher.directory.close()
+
+
+def _final(out) -> bool:
+    return isinstance(out, Exception) or out.finished
+
+
+def _merge(out, q: asyncio.Queue):
+    """`out` and whatever of the same request waits behind it, as one output: a busy replica
+    sends fewer, larger messages instead of falling behind. An exception waiting behind it
+    wins (the stream ends with it)."""
+    while not _final(out) and not q.empty():
+        more = q.get_nowait()
+        out = more if isinstance(more, Exception) else out.then(more)
+    return out
 
 
 # quick calls that never block: no cap worth queueing the routers' and verifiers' calls behind

@@ -111,6 +111,21 @@ def test_per_client_limit_is_exhausted_and_released():
         pass
 
 
+def test_router_replicas_share_a_clients_limit():
+    """Three routers with a limit of 7: each admits 2 of a client's requests, 6 in all."""
+    routers = [make({"per_client_concurrency": 7, "num_replicas": 3}) for _ in range(3)]
+    held = []
+    for adm in routers:
+        held += [adm.slot("a"), adm.slot("a")]
+    for slot in held:
+        slot.__enter__()
+    for adm in routers:
+        assert "2 in each of 3 routers" in refused(ErrorKind.EXHAUSTED, adm.slot("a").__enter__)
+    assert sum(adm.per_client["a"] for adm in routers) == 6 <= 7
+    with routers[0].slot("b"):  # another client has its own places
+        pass
+
+
 def test_slot_is_released_when_the_body_raises():
     adm = make({"per_client_concurrency": 1})
     with pytest.raises(ValueError), adm.slot("a"):

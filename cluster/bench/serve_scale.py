@@ -1,0 +1,231 @@
+"""The served endpoint against the in-process engine on the same GPU: the 8B-shaped demo pair
+(bf16, compile, CUDA graphs, max_num_seqs 256, colocated draft model), distinct ~600-token
+code prompts, 128 greedy tokens, 2c requests at c in flight (c = 1: 4 requests).
+
+    bash scripts/gpu_serve_scale.sh        # on a GPU machine; writes $OUT/serve_scale.json and .png
+    spec-cluster bench serve-scale --device cpu --levels 32 --specs off,auto --out DIR   # the small pair
+
+1. In process: `run_engine` at each level and speculation mode.
+2. Through `spec-cluster up` (the same engine config in one Verifier replica, its engine in
+   an engine-core process): gRPC streams and the OpenAI API's SSE streams, driven by
+   cluster.bench.streams from 4 client processes, with the verifier's `running` sampled
+   every 0.25 s (GetStats).
+Each point's tokens/s, the endpoint / engine ratio, TTFT, chunk gap and ITL p50/p99 (client
+clocks). LEVELS (default 1,64,128,256), SPECS (default off,4,auto) and APIS (grpc,http) as
+comma lists; STREAM_MS sets router.stream_interval_ms (or the same as flags). DEVICE=cpu runs
+the small demo pair (max_num_seqs 32) on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+OUT = Path(os.environ.get("OUT", "."))
+LEVELS = [int(x) for x in os.environ.get("LEVELS", "1,64,128,256").split(",")]
+SPECS = os.environ.get("SPECS", "off,4,auto").split(",")
+APIS = os.environ.get("APIS", "grpc,http").split(",")
+NEW_TOKENS, PROMPT_TOKENS = 128, 600
+CONFIG = {"models": {"target": "demo-8b-target", "draft": "demo-8b-draft", "dtype": "bfloat16", "device": "cuda"},
+          "placement": "colocated",
+          "engine": {"max_num_seqs": 256, "max_waiting": 1024, "max_model_len": 4096, "max_batch_tokens": 2048,
+                     "prefill_chunk": 512, "compile": True, "gpu_memory_utilization": 0.8,
+                     "compile_cache_dir": os.environ.get("COMPILE_CACHE", "/tmp/spec-cluster-compile")},
+          "speculation": {"mode": "goodput", "gamma": 4, "gamma_max": 8},
+          "router": {"max_inflight": 2048, "per_client_concurrency": 2048, "max_tokens_limit": 4096},
+          "verifier": {"ray_actor_options": {"num_gpus": 1}, "max_ongoing_requests": 2048},
+          "kvdir": {"url": None}}
+
+
+def configure(args) -> None:
+    global OUT, LEVELS, SPECS, APIS
+    OUT, LEVELS, SPECS, APIS = Path(args.out), args.levels, args.specs, args.apis
+    OUT.mkdir(parents=True, exist_ok=True)
+    if args.stream_ms is not None:
+        CONFIG["router"]["stream_interval_ms"] = args.stream_ms
+    if args.device == "cpu":
+        CONFIG["models"].update(target="demo-target", draft="demo-draft", dtype="float32", device="cpu")
+        CONFIG["engine"].update(compile=False, kv_cache_gb=1, max_num_seqs=32)
+        CONFIG["verifier"]["ray_actor_options"] = {}
+COMMAND = "bash scripts/gpu_serve_scale.sh"
+T0 = time.time()
+
+
+def log(*a) -> None:
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def prompts(tok, n: int, seed: int) -> list[str]:
+    from cluster.bench.workloads import code_prompts
+
+    out = []
+    for t in code_prompts(4 * n, chars=4000, seed=seed):
+        ids = tok.encode(t)
+        if len(ids) >= PROMPT_TOKENS:
+            out.append(tok.decode(ids[:PROMPT_TOKENS]))
+        if len(out) == n:
+            return out
+    raise RuntimeError("not enough long prompts")
+
+
+def spec_of(name: str):
+    """The request's speculation as the clients name it: "off", "auto" or a gamma."""
+    return name if name in ("off", "auto") else int(name)
+
+
+def requests_at(c: int) -> int:
+    return 4 if c == 1 else 2 * c
+
+
+def in_process(results: dict, tok) -> None:
+    from cluster.bench.load import run_engine
+    from cluster.config import parse_config
+    from cluster.engine.sequence import SpecParams
+    from cluster.serve.build import build_engine
+
+    engine = build_engine(parse_config(CONFIG))
+    log("engine up", json.dumps({k: round(v, 1) for k, v in engine.startup.items()}))
+    run_engine(engine, prompts(tok, 16, 99), 16, NEW_TOKENS, SpecParams("off"))  # warm
+    for c in LEVELS:
+        for s in SPECS:
+            spec = SpecParams(s) if s in ("off", "auto") else SpecParams("fixed", int(s))
+            done, wall = run_engine(engine, prompts(tok, requests_at(c), c), c, NEW_TOKENS, spec)
+            tps = sum(len(r["token_ids"]) for r in done) / wall
+            results.setdefault(f"{c}/{s}", {})["engine_tok_s"] = round(tps, 1)
+            log(f"engine c={c} spec={s}: {tps:.0f} tok/s")
+    engine.close()
+
+
+def endpoint(results: dict, tok) -> None:
+    from cluster.bench.served import served
+    from cluster.bench.streams import run_streams
+    from cluster.client import Client
+
+    with served(CONFIG, echo=lambda line: None) as up:
+        log(f"endpoint ready in {up.ready_s:.0f} s")
+        targets = {"grpc": up.grpc, "http": up.http}
+        model = CONFIG["models"]["target"]
+        run_streams("grpc", up.grpc, prompts(tok, 16, 98), 16, NEW_TOKENS, "off", model)  # warm
+        for c in LEVELS:
+            for s in SPECS:
+                for api in APIS:
+                    ps = prompts(tok, requests_at(c), 1000 * c + (api == "http"))
+                    running, stop = [], threading.Event()
+                    t0 = time.time()
+
+                    def watch():
+                        with Client(up.grpc) as cl:
+                            while not stop.is_set():
+                                st = cl.stats()
+                                running.append((round(time.time() - t0, 2), sum(r.running for r in st.replicas)))
+                                stop.wait(0.25)
+
+                    w = threading.Thread(target=watch, daemon=True)
+                    w.start()
+                    m = run_streams(api, targets[api], ps, c, NEW_TOKENS, spec_of(s), model)
+                    stop.set()
+                    w.join()
+                    point = results.setdefault(f"{c}/{s}", {})
+                    eng = point.get("engine_tok_s")
+                    m["over_engine"] = round(m["tok_s"] / eng, 3) if eng else None
+                    m["running"] = running
+                    m["reached_s"] = next((t for t, n in running if n >= min(c, 256)), None)
+                    point[api] = m
+                    save(results)
+                    log(f"{api} c={c} spec={s}: {m['tok_s']:.0f} tok/s ({m['over_engine']} of the engine), "
+                        f"ttft p50 {m['ttft_ms_p50']} ms, itl p50 {m['itl_ms_p50']} ms, "
+                        f"{m['tokens_per_chunk']} tok/chunk, errors {m['errors']}, running reached {min(c, 256)} "
+                        f"at {m['reached_s']} s, peak {max((n for _, n in running), default=0)}")
+        ratios(results)
+
+
+def ratios(results: dict) -> None:
+    """Through each path: auto against the better of off and gamma 4 at every level."""
+    for c in LEVELS:
+        for path in ["engine"] + APIS:
+            def tps(s):
+                p = results.get(f"{c}/{s}", {})
+                return p.get("engine_tok_s") if path == "engine" else p.get(path, {}).get("tok_s")
+            if tps("auto") and tps("off") and tps("4"):
+                r = round(tps("auto") / max(tps("off"), tps("4")), 3)
+                results.setdefault(f"{c}/auto", {})[f"{path}_auto_over_best"] = r
+                log(f"{path} c={c}: auto / best fixed {r}")
+
+
+def plot(results: dict) -> None:
+    from cluster.bench.report import figure
+
+    plt = figure()
+    fig, axes = plt.subplots(1, len(SPECS), figsize=(4 * len(SPECS), 3.6), squeeze=False)
+    for ax, s in zip(axes[0], SPECS):
+        for path in APIS:
+            ax.plot(LEVELS, [(results.get(f"{c}/{s}", {}).get(path) or {}).get("over_engine") or 0 for c in LEVELS],
+                    marker="o", label=path)
+        ax.axhline(0.9, color="grey", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1.2)
+        ax.set_title(f"speculation {s}")
+        ax.set_xlabel("streams")
+    axes[0][0].set_ylabel("endpoint / in-process tokens/s")
+    axes[0][0].legend()
+    fig.suptitle("8B-shaped demo pair, one GPU: served against in process")
+    fig.tight_layout()
+    fig.savefig(OUT / "serve_scale.png", dpi=120)
+
+
+def save(results: dict) -> None:
+    import torch
+
+    doc = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "levels": LEVELS,
+           "specs": SPECS, "apis": APIS, "new_tokens": NEW_TOKENS, "prompt_tokens": PROMPT_TOKENS, "config": CONFIG,
+           "results": results, "command": COMMAND,
+           "stream_interval_ms": CONFIG["router"].get("stream_interval_ms", "default")}
+    (OUT / "serve_scale.json").write_text(json.dumps(doc, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    import torch
+
+    def ints(v):
+        return [int(x) for x in v.split(",")]
+
+    ap = argparse.ArgumentParser(prog="spec-cluster bench serve-scale", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default=os.environ.get("DEVICE", "cuda"), choices=["cuda", "cpu"])
+    ap.add_argument("--levels", type=ints, default=LEVELS)
+    ap.add_argument("--specs", type=lambda v: v.split(","), default=SPECS)
+    ap.add_argument("--apis", type=lambda v: v.split(","), default=APIS)
+    ap.add_argument("--stream-ms", type=float, default=float(os.environ["STREAM_MS"]) if os.environ.get("STREAM_MS") else None)
+    ap.add_argument("--out", default=str(OUT))
+    args = ap.parse_args(argv)
+    configure(args)
+    if argv:  # from `spec-cluster bench serve-scale`; the GPU script passes none
+        global COMMAND
+        COMMAND = "spec-cluster bench serve-scale " + " ".join(argv)
+
+    from cluster.config import resolve_model_path
+    from cluster.engine.loader import load_tokenizer
+
+    tok = load_tokenizer(resolve_model_path("demo-target"))
+    results: dict = {}
+    if os.environ.get("ENGINE", "1") != "0":  # ENGINE=0: the endpoint only (ratios from another run)
+        in_process(results, tok)
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    save(results)
+    if os.environ.get("ENDPOINT", "1") != "0":
+        endpoint(results, tok)
+    save(results)
+    plot(results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
