@@ -116,6 +116,10 @@ class RouterSection(_Strict):
     """A verifier sends a streaming request's tokens at most once per this many ms (the first
     at once): each message crosses two Serve hops (verifier -> router -> proxy) whose cost is
     per message, not per token. 0: one message per engine step."""
+    stream_messages_per_s: float = Field(1000.0, gt=0)
+    """About the most stream messages a verifier replica sends a second, across its requests:
+    with n requests in flight each stream's interval widens to n / this when that is longer
+    than stream_interval_ms (256 streams: a message each 0.26 s, carrying every token since)."""
     failover_wait_s: float = Field(5.0, ge=0)
     """When the verifier serving a request dies, the router resubmits it (prompt plus the
     tokens already streamed) to another replica, retrying for up to this long while Serve

@@ -7,4 +7,5 @@ bash "$BUNDLE/unpack.sh" || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 mkdir -p /tmp/site/ray/dashboard/client/build/static  # see scripts/gpu_smoke.sh
 nvidia-smi --query-gpu=name --format=csv,noheader
+mkdir -p "${OUT:-.}"
 python3 -m cluster.bench.serve_scale 2>&1 | grep -v "^\s*$" | tee "${OUT:-.}/serve_scale.log"

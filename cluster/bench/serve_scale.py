@@ -12,7 +12,8 @@ code prompts, 128 greedy tokens, 2c requests at c in flight (c = 1: 4 requests).
    every 0.25 s (GetStats).
 Each point's tokens/s, the endpoint / engine ratio, TTFT, chunk gap and ITL p50/p99 (client
 clocks). LEVELS (default 1,64,128,256), SPECS (default off,4,auto) and APIS (grpc,http) as
-comma lists; STREAM_MS sets router.stream_interval_ms (or the same as flags). DEVICE=cpu runs
+comma lists; STREAM_MS sets router.stream_interval_ms (or the same as flags); OVERRIDES, JSON,
+is merged into the config. DEVICE=cpu runs
 the small demo pair (max_num_seqs 32) on the CPU.
 """
 
@@ -40,10 +41,20 @@ CONFIG = {"models": {"target": "demo-8b-target", "draft": "demo-8b-draft", "dtyp
           "kvdir": {"url": None}}
 
 
+def merge(into: dict, over: dict) -> None:
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            merge(into[k], v)
+        else:
+            into[k] = v
+
+
 def configure(args) -> None:
     global OUT, LEVELS, SPECS, APIS
     OUT, LEVELS, SPECS, APIS = Path(args.out), args.levels, args.specs, args.apis
     OUT.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("OVERRIDES"):  # JSON merged into CONFIG, e.g. '{"engine": {"mixed_prefill": true}}'
+        merge(CONFIG, json.loads(os.environ["OVERRIDES"]))
     if args.stream_ms is not None:
         CONFIG["router"]["stream_interval_ms"] = args.stream_ms
     if args.device == "cpu":
@@ -71,6 +82,20 @@ def prompts(tok, n: int, seed: int) -> list[str]:
     raise RuntimeError("not enough long prompts")
 
 
+def seed(c: int, spec: str, path: str) -> int:
+    """Distinct prompts for every point: no point reuses another's prefixes."""
+    return 1000 * c + 10 * SPECS.index(spec) + ["engine", "grpc", "http"].index(path)
+
+
+def late() -> bool:
+    """Past DEADLINE_S (default 540) from the start: the endpoint's remaining points are
+    skipped (the in-process ones, a minute or two, still run: every ratio needs them)."""
+    if time.time() - T0 > float(os.environ.get("DEADLINE_S", "540")):
+        log("deadline passed: skipping the remaining points")
+        return True
+    return False
+
+
 def spec_of(name: str):
     """The request's speculation as the clients name it: "off", "auto" or a gamma."""
     return name if name in ("off", "auto") else int(name)
@@ -92,10 +117,20 @@ def in_process(results: dict, tok) -> None:
     for c in LEVELS:
         for s in SPECS:
             spec = SpecParams(s) if s in ("off", "auto") else SpecParams("fixed", int(s))
-            done, wall = run_engine(engine, prompts(tok, requests_at(c), c), c, NEW_TOKENS, spec)
+            before, t0 = engine.stats(), time.perf_counter()
+            done, wall = run_engine(engine, prompts(tok, requests_at(c), seed(c, s, "engine")), c, NEW_TOKENS, spec)
             tps = sum(len(r["token_ids"]) for r in done) / wall
-            results.setdefault(f"{c}/{s}", {})["engine_tok_s"] = round(tps, 1)
-            log(f"engine c={c} spec={s}: {tps:.0f} tok/s")
+            point = results.setdefault(f"{c}/{s}", {})
+            point["engine_tok_s"] = round(tps, 1)
+            after = engine.stats()
+            point["engine_preemptions"] = after["preemptions"] - before["preemptions"]
+            steps = after["steps"] - before["steps"]
+            point["engine_core"] = {"steps": steps, "prefill_steps": after["prefill_steps"] - before["prefill_steps"],
+                                    "step_ms": round(1e3 * (time.perf_counter() - t0) / max(1, steps), 2)}
+            point["engine_kv_blocks"] = engine.stats()["kv_blocks_total"]
+            save(results)
+            log(f"engine c={c} spec={s}: {tps:.0f} tok/s, {point['engine_preemptions']} preemptions, "
+                f"{point['engine_core']}")
     engine.close()
 
 
@@ -112,8 +147,10 @@ def endpoint(results: dict, tok) -> None:
         for c in LEVELS:
             for s in SPECS:
                 for api in APIS:
-                    ps = prompts(tok, requests_at(c), 1000 * c + (api == "http"))
-                    running, stop = [], threading.Event()
+                    if late():
+                        return
+                    ps = prompts(tok, requests_at(c), seed(c, s, api))
+                    running, stop, last = [], threading.Event(), {}
                     t0 = time.time()
 
                     def watch():
@@ -121,29 +158,55 @@ def endpoint(results: dict, tok) -> None:
                             while not stop.is_set():
                                 st = cl.stats()
                                 running.append((round(time.time() - t0, 2), sum(r.running for r in st.replicas)))
+                                last.update(preemptions=sum(r.preemptions for r in st.replicas),
+                                            kv_blocks=sum(r.kv_blocks_total for r in st.replicas),
+                                            at=time.time(), **{k: st.metrics[k] for k in CORE if k in st.metrics})
                                 stop.wait(0.25)
 
                     w = threading.Thread(target=watch, daemon=True)
                     w.start()
+                    while not last and w.is_alive():  # the counts before the point
+                        time.sleep(0.05)
+                    before = dict(last)
                     m = run_streams(api, targets[api], ps, c, NEW_TOKENS, spec_of(s), model)
                     stop.set()
                     w.join()
                     point = results.setdefault(f"{c}/{s}", {})
-                    eng = point.get("engine_tok_s")
-                    m["over_engine"] = round(m["tok_s"] / eng, 3) if eng else None
                     m["running"] = running
+                    m["preemptions"] = last.get("preemptions", 0) - before.get("preemptions", 0)
+                    m["kv_blocks"] = last.get("kv_blocks")
+                    m["core"] = core_figures(before, last)
                     m["reached_s"] = next((t for t, n in running if n >= min(c, 256)), None)
                     point[api] = m
                     save(results)
-                    log(f"{api} c={c} spec={s}: {m['tok_s']:.0f} tok/s ({m['over_engine']} of the engine), "
+                    log(f"{api} c={c} spec={s}: {m['tok_s']:.0f} tok/s, {m['preemptions']} preemptions, core {m['core']}, "
                         f"ttft p50 {m['ttft_ms_p50']} ms, itl p50 {m['itl_ms_p50']} ms, "
                         f"{m['tokens_per_chunk']} tok/chunk, errors {m['errors']}, running reached {min(c, 256)} "
                         f"at {m['reached_s']} s, peak {max((n for _, n in running), default=0)}")
-        ratios(results)
+
+
+CORE = ("steps", "prefill_steps", "step_busy_s", "core_host_s", "step_messages", "step_lag_s")
+
+
+def core_figures(before: dict, after: dict) -> dict:
+    """The engine core over one point (GetStats counters, up to a report period late)."""
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in CORE}
+    wall = after.get("at", 0) - before.get("at", 0)
+    steps = d["steps"] or 1
+    return {"steps": int(d["steps"]), "prefill_steps": int(d["prefill_steps"]),
+            "step_ms": round(1e3 * d["step_busy_s"] / steps, 2), "host_ms": round(1e3 * d["core_host_s"] / steps, 2),
+            "busy_fraction": round(d["step_busy_s"] / wall, 3) if wall > 0 else None,
+            "lag_ms": round(1e3 * d["step_lag_s"] / d["step_messages"], 2) if d["step_messages"] else None}
 
 
 def ratios(results: dict) -> None:
-    """Through each path: auto against the better of off and gamma 4 at every level."""
+    """Each path against the engine at the same point, and auto against the better of off and
+    gamma 4 through each path at every level."""
+    for key, point in results.items():
+        for api in APIS:
+            if point.get("engine_tok_s") and api in point:
+                point[api]["over_engine"] = round(point[api]["tok_s"] / point["engine_tok_s"], 3)
+                log(f"{key} {api}: {point[api]['over_engine']} of the engine")
     for c in LEVELS:
         for path in ["engine"] + APIS:
             def tps(s):
@@ -189,8 +252,6 @@ def save(results: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    import torch
-
     def ints(v):
         return [int(x) for x in v.split(",")]
 
@@ -212,16 +273,14 @@ def main(argv: list[str] | None = None) -> int:
 
     tok = load_tokenizer(resolve_model_path("demo-target"))
     results: dict = {}
-    if os.environ.get("ENGINE", "1") != "0":  # ENGINE=0: the endpoint only (ratios from another run)
-        in_process(results, tok)
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    save(results)
+    # the endpoint first: its processes are gone when it stops, so the in-process engine then
+    # gets the same free memory (an engine freed in this process leaves some behind)
     if os.environ.get("ENDPOINT", "1") != "0":
         endpoint(results, tok)
+    if os.environ.get("ENGINE", "1") != "0":  # ENGINE=0: the endpoint only
+        in_process(results, tok)
+    save(results)
+    ratios(results)
     save(results)
     plot(results)
     return 0

@@ -110,7 +110,7 @@ class Engine:
         self._last_end: float | None = None  # end of the previous step, if it was a verify step
         # seconds waiting for drafts / in verify passes (with acceptance) / in mixed ones (cluster.engine.mixed);
         # requests that ended by finishing (eos, stop, length) / by abort (the caller left)
-        self.totals = {"steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0, "finished": 0, "aborted": 0,
+        self.totals = {"steps": 0, "prefill_steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0, "finished": 0, "aborted": 0,
                        "draft_s": 0.0, "verify_s": 0.0, "mixed_steps": 0, "mixed_s": 0.0}
 
     @property
@@ -178,7 +178,8 @@ class Engine:
         obs = None
         if chunks and rows:  # one pass for both (cluster.engine.mixed)
             touched, obs = self.mixer.run(rows, chunks)
-        elif chunks:
+        elif chunks:  # prompts only: every decoding row waits a step (unless mixed_prefill)
+            self.totals["prefill_steps"] += 1
             touched = self._prefill(chunks)
         else:
             touched, obs = self._verify(rows)

@@ -46,6 +46,7 @@ class GenerateCall:
     spec: SpecParams
     drafter: str | None = None
     request_id: str | None = None
+    stream: bool = True  # False: the caller wants the whole answer (the verifier sends it in few messages)
 
 
 @dataclass

@@ -98,6 +98,8 @@ class CoreLoop:
         self.obs: list[list] = []
         self.kv: tuple[list[int], list[int]] = ([], [])
         self.stopped = False
+        self.busy_s = 0.0  # in engine.step
+        self.host_s = 0.0  # with work to do but outside a step: the inbox, sending outputs
         engine.on_verify = lambda o: self.obs.append(dataclasses.astuple(o))
         pool = engine.kv.pool
         pool.on_change = lambda stored, evicted: (self.kv[0].extend(stored), self.kv[1].extend(evicted))
@@ -106,7 +108,9 @@ class CoreLoop:
         """Until a `stop` message, or a lost tensor-parallel rank (told to the replica as
         `dead`, then raised: no later step can run)."""
         while not self.stopped:
-            self._take_inbox(wait_ms=0 if self.engine.has_work else IDLE_POLL_MS)
+            t0 = time.perf_counter()
+            busy = self.engine.has_work
+            self._take_inbox(wait_ms=0 if busy else IDLE_POLL_MS)
             if self.stopped:
                 break
             if not self.engine.has_work:
@@ -114,6 +118,8 @@ class CoreLoop:
                     self.on_idle()
                 continue
             started = time.perf_counter()
+            if busy:
+                self.host_s += started - t0
             try:
                 outs = self.engine.step()
             except RankFailure as e:
@@ -129,11 +135,14 @@ class CoreLoop:
             for o in outs:
                 if o.finished:
                     self.live.discard(o.seq_id)
+            ended = time.perf_counter()
+            self.busy_s += ended - started
             s = self.engine.scheduler
             self._send(["step", [encode_output(o) for o in outs if o.seq_id in self.live or o.finished],
                         self.obs, [self.kv[0], self.kv[1]], len(s.running), len(s.waiting),
-                        self.engine.kv.pool.stats.hit_rate, time.perf_counter() - started])
+                        self.engine.kv.pool.stats.hit_rate, time.time()])
             self.obs, self.kv = [], ([], [])
+            self.host_s += time.perf_counter() - ended
 
     def _send(self, msg) -> None:
         self.outbox.send(pack(msg))
@@ -174,6 +183,7 @@ class CoreLoop:
         s = self.engine.stats()
         ctrl = self.engine.controller
         s["gamma"] = ctrl.snapshot().get("gamma", 0) if ctrl else self.engine.cfg.gamma
+        s["step_busy_s"], s["core_host_s"] = self.busy_s, self.host_s
         return s
 
     def _fail_all(self, error: Exception) -> None:

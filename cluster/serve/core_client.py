@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from typing import Callable
@@ -52,6 +53,8 @@ class CoreClient:
         self.tokens = itertools.count()
         self.running = self.waiting = 0
         self.hit_rate = 0.0
+        self.lag_s = 0.0  # step messages: sent by the core -> fanned out here, summed
+        self.messages = 0
         self.error: BaseException | None = None
         self._stop = False
         self.thread = threading.Thread(target=self._read, name="core-reader", daemon=True)
@@ -123,7 +126,9 @@ class CoreClient:
     def _dispatch(self, msg) -> None:
         kind = msg[0]
         if kind == "step":
-            _, rows, obs, kv, self.running, self.waiting, self.hit_rate, _step_s = msg
+            _, rows, obs, kv, self.running, self.waiting, self.hit_rate, sent = msg
+            self.lag_s += max(0.0, time.time() - sent)
+            self.messages += 1
             outs = [decode_output(r) for r in rows]
             if self.on_step is not None:
                 self.on_step([decode_observation(o) for o in obs], kv[0], kv[1])

@@ -22,6 +22,7 @@ import json
 import time
 import uuid
 from contextlib import ExitStack, aclosing
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from starlette.background import BackgroundTask
@@ -255,7 +256,7 @@ class OpenAIRoutes:
             events = self._events(calls, meta, chat, n, usage_in_stream, slots)
             return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(slots.close))
         with slots:
-            return await self._whole(calls, meta, chat, n)
+            return await self._whole([replace(c, stream=False) for c in calls], meta, chat, n)
 
     async def _whole(self, calls, meta: dict, chat: bool, n: int) -> dict:
         texts, finals, counts = [""] * len(calls), [None] * len(calls), [0] * len(calls)

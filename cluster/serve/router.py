@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import aclosing
+from dataclasses import replace
 
 import grpc
 from ray import serve
@@ -91,7 +92,7 @@ class Router(OpenAIRoutes):
     async def Generate(self, request: pb.GenerateRequest, grpc_context=None) -> pb.GenerateResponse:
         resp = pb.GenerateResponse()
         try:
-            async with aclosing(self._run(request, grpc_context)) as outs:
+            async with aclosing(self._run(request, grpc_context, stream=False)) as outs:
                 async for out in outs:
                     resp.text += out.text
                     resp.token_ids.extend(out.token_ids)
@@ -172,7 +173,7 @@ class Router(OpenAIRoutes):
         return True
 
     # ---- the request path --------------------------------------------------------------
-    async def _run(self, request: pb.GenerateRequest, grpc_context):
+    async def _run(self, request: pb.GenerateRequest, grpc_context, stream: bool = True):
         meta = dict(grpc_context.invocation_metadata()) if grpc_context is not None else {}
         peer = grpc_context.peer() if grpc_context is not None else ""
         # the key before anything else: a client without one learns nothing, not even
@@ -180,7 +181,7 @@ class Router(OpenAIRoutes):
         client = self.admission.authenticate(bearer_token(meta.get("authorization")), peer)
         if isinstance(request, Undecodable):  # see cluster.serve.wire
             raise AdmissionError(ErrorKind.INVALID, f"request does not parse: {request.error}")
-        call = await self.admission.admit(_decode(request))
+        call = replace(await self.admission.admit(_decode(request)), stream=stream)
         with self.admission.slot(client):
             async with aclosing(stream_outputs(self.verifier, call, self.cfg.router.failover_wait_s)) as outs:
                 async for out in outs:

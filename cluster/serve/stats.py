@@ -81,7 +81,12 @@ def cluster_metrics(replicas: dict[str, dict], inflight: int) -> dict[str, float
            # counts since each replica started; a replacement replica starts its counts at 0
            "kv_blocks_total": total("kv_blocks_total"), "kv_blocks_used": total("kv_blocks_used"),
            "kv_blocks_cached": total("kv_blocks_cached"), "preemptions": total("preemptions"),
-           "prefix_hit_tokens": total("prefix_hit_tokens")}
+           "prefix_hit_tokens": total("prefix_hit_tokens"),
+           # engine steps since each replica started: prefill-only ones, seconds inside steps,
+           # and the engine core's own work between them (cluster.serve.core)
+           "steps": total("steps"), "prefill_steps": total("prefill_steps"), "step_busy_s": total("step_busy_s"),
+           "core_host_s": total("core_host_s"), "step_messages": total("step_messages"),
+           "step_lag_s": total("step_lag_s")}  # summed over messages: from the core's send to the fan-out
     blocks = out["kv_blocks_total"]
     out["kv_blocks_used_fraction"] = out["kv_blocks_used"] / blocks if blocks else 0.0
     width = max((len(s.get("proposed_per_position", [])) for s in reps), default=0)

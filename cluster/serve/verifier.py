@@ -26,6 +26,7 @@ from cluster.serve.metrics import VerifierMetrics
 from cluster.serve.stats import DRAFTING_S, FRESH_S, KEEP_S, REPORT_S, VerifierFigures
 
 log = logging.getLogger(__name__)
+UNARY_INTERVAL_S = 1.0
 
 
 class ReplicaDown(RuntimeError):
@@ -62,6 +63,7 @@ class Verifier:
         self.client = CoreClient(inbox, outbox, self.info, on_step=self._on_step)
         threading.Thread(target=self._watch, name="core-watch", daemon=True).start()
         self.stream_s = cfg.router.stream_interval_ms / 1e3
+        self.stream_rate = cfg.router.stream_messages_per_s
         self.publisher = self._make_publisher(cfg)
         self.board = board
         self.drafted_at = (0, float("-inf"))  # the draft count, and when it last rose
@@ -123,9 +125,10 @@ class Verifier:
         try:
             while not finished:
                 out = await q.get()
-                if sent is not None and self.stream_s > 0 and not _final(out):
-                    # at most one message a stream_interval: what comes meanwhile goes with it
-                    await asyncio.sleep(self.stream_s - (time.perf_counter() - sent))
+                if sent is not None and not _final(out):
+                    # at most one message an interval: what comes meanwhile goes with it; the
+                    # last output goes at once (a closed-loop client sends its next request then)
+                    out = await _collect(out, q, self._interval(call.stream) - (time.perf_counter() - sent))
                 out = _merge(out, q)
                 if isinstance(out, (RankFailure, CoreGone)):  # as if the replica died: the router fails the call over
                     raise ReplicaDown(f"verifier {self.replica_id} lost its engine: {out}")
@@ -151,11 +154,22 @@ class Verifier:
             if not finished:  # cancelled by the caller, or its deadline passed: free everything
                 self.client.abort(sid)
 
+    def _interval(self, stream: bool) -> float:
+        """Seconds between a stream's messages: stream_interval_ms, widened so that the replica
+        sends about stream_messages_per_s in all. Serve's streaming costs per message at each
+        hop (verifier -> router -> proxy): 256 streams at one message a step backed outputs
+        up by seconds on an H100, the engine idling while finished requests waited to leave.
+        A caller that wants the whole answer gets a message a second at most (the tokens so
+        far still reach the router, for its failover)."""
+        return max(self.stream_s if stream else UNARY_INTERVAL_S, len(self.client.queues) / self.stream_rate)
+
     async def stats(self) -> dict:
         return self._stats(await asyncio.wrap_future(self.client.request_stats()))
 
     def _stats(self, s: dict) -> dict:
-        s.update(replica=self.replica_id, node_id=self.node_id, gpu_ids=self.gpu_ids,
+        c = self.client
+        s.update(replica=self.replica_id, node_id=self.node_id, gpu_ids=self.gpu_ids, step_messages=c.messages,
+                 step_lag_s=c.lag_s,
                  verify_tokens=int(self.load.report("stats").get("verify_tokens", 0.0)), **self.figures.snapshot())
         if self.publisher is not None:
             s["kvdir_available"] = 1 if self.publisher.directory.available else 0
@@ -226,6 +240,23 @@ class Verifier:
 
 def _final(out) -> bool:
     return isinstance(out, Exception) or out.finished
+
+
+async def _collect(out, q: asyncio.Queue, wait_s: float):
+    """`out` and what of the same request comes within `wait_s`, as one output; sooner if the
+    request finishes or fails meanwhile."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while not _final(out):
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        try:
+            more = await asyncio.wait_for(q.get(), left)
+        except asyncio.TimeoutError:
+            break
+        out = more if isinstance(more, Exception) else out.then(more)
+    return out
 
 
 def _merge(out, q: asyncio.Queue):
