@@ -1,6 +1,6 @@
 """The served endpoint against the in-process engine on the same GPU: the 8B-shaped demo pair
 (bf16, compile, CUDA graphs, max_num_seqs 256, colocated draft model), distinct ~600-token
-code prompts, 128 greedy tokens, 2c requests at c in flight (c = 1: 4 requests).
+code prompts, 128 greedy tokens, 2c requests at c in flight (c = 1: 16 requests).
 
     bash scripts/gpu_serve_scale.sh        # on a GPU machine; writes $OUT/serve_scale.json and .png
     spec-cluster bench serve-scale --device cpu --levels 32 --specs off,auto --out DIR   # the small pair
@@ -60,7 +60,8 @@ def configure(args) -> None:
     if args.device == "cpu":
         CONFIG["models"].update(target="demo-target", draft="demo-draft", dtype="float32", device="cpu")
         CONFIG["engine"].update(compile=False, kv_cache_gb=1, max_num_seqs=32)
-        CONFIG["verifier"]["ray_actor_options"] = {}
+        # the engine's threads: two, as the in-process engine has on the 2-core machine
+        CONFIG["verifier"]["ray_actor_options"] = {"num_cpus": 2}
 COMMAND = "bash scripts/gpu_serve_scale.sh"
 T0 = time.time()
 
@@ -102,7 +103,7 @@ def spec_of(name: str):
 
 
 def requests_at(c: int) -> int:
-    return 4 if c == 1 else 2 * c
+    return 16 if c == 1 else 2 * c
 
 
 def in_process(results: dict, tok) -> None:
@@ -150,14 +151,16 @@ def endpoint(results: dict, tok) -> None:
                     if late():
                         return
                     ps = prompts(tok, requests_at(c), seed(c, s, api))
-                    running, stop, last = [], threading.Event(), {}
+                    running, held, stop, last = [], [], threading.Event(), {}
                     t0 = time.time()
 
                     def watch():
                         with Client(up.grpc) as cl:
                             while not stop.is_set():
                                 st = cl.stats()
-                                running.append((round(time.time() - t0, 2), sum(r.running for r in st.replicas)))
+                                at = round(time.time() - t0, 2)
+                                running.append((at, sum(r.running for r in st.replicas)))
+                                held.append((at, sum(r.running + r.waiting for r in st.replicas)))
                                 last.update(preemptions=sum(r.preemptions for r in st.replicas),
                                             kv_blocks=sum(r.kv_blocks_total for r in st.replicas),
                                             at=time.time(), **{k: st.metrics[k] for k in CORE if k in st.metrics})
@@ -177,12 +180,17 @@ def endpoint(results: dict, tok) -> None:
                     m["kv_blocks"] = last.get("kv_blocks")
                     m["core"] = core_figures(before, last)
                     m["reached_s"] = next((t for t, n in running if n >= min(c, 256)), None)
+                    # requests in the engine (running or waiting for their prefill): every one
+                    # the clients sent has reached it
+                    m["held"] = held
+                    m["held_reached_s"] = next((t for t, n in held if n >= c), None)
                     point[api] = m
                     save(results)
                     log(f"{api} c={c} spec={s}: {m['tok_s']:.0f} tok/s, {m['preemptions']} preemptions, core {m['core']}, "
-                        f"ttft p50 {m['ttft_ms_p50']} ms, itl p50 {m['itl_ms_p50']} ms, "
+                        f"ttft p50 {m['ttft_ms_p50']} ms (path {m['path_ms_p50']} ms), itl p50 {m['itl_ms_p50']} ms, "
                         f"{m['tokens_per_chunk']} tok/chunk, errors {m['errors']}, running reached {min(c, 256)} "
-                        f"at {m['reached_s']} s, peak {max((n for _, n in running), default=0)}")
+                        f"at {m['reached_s']} s (held {c} at {m['held_reached_s']} s), "
+                        f"peak {max((n for _, n in running), default=0)}")
 
 
 CORE = ("steps", "prefill_steps", "step_busy_s", "core_host_s", "step_messages", "step_lag_s")

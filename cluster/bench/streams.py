@@ -20,7 +20,7 @@ PROCS = 4  # client processes; each drives its share of the streams from one eve
 async def _grpc_one(stub, pb, prompt: str, max_tokens: int, spec) -> dict:
     from cluster.client import build_request
 
-    t, first, last, gaps, tokens = time.perf_counter(), None, None, [], 0
+    t, first, last, gaps, tokens, engine_ttft = time.perf_counter(), None, None, [], 0, None
     async for chunk in stub.GenerateStream(build_request(prompt, max_tokens=max_tokens, temperature=0.0,
                                                          speculation=spec)):
         now = time.perf_counter()
@@ -31,7 +31,12 @@ async def _grpc_one(stub, pb, prompt: str, max_tokens: int, spec) -> dict:
                 gaps.append((1e3 * (now - last), len(chunk.token_ids)))
             last = now
             tokens += len(chunk.token_ids)
-    return {"tokens": tokens, "ttft_ms": 1e3 * (first or 0.0), "gaps": gaps}
+        if chunk.final:
+            engine_ttft = chunk.timing.ttft_ms
+    # the client's TTFT less the engine's (from the request's arrival in the engine): the way in
+    # and the first token's way out, through proxy, router and verifier
+    return {"tokens": tokens, "ttft_ms": 1e3 * (first or 0.0), "gaps": gaps,
+            "path_ms": None if engine_ttft is None or first is None else 1e3 * first - engine_ttft}
 
 
 async def _http_one(session, base: str, model: str, prompt: str, max_tokens: int, spec) -> dict:
@@ -114,10 +119,13 @@ def run_streams(api: str, target: str, prompts: list[str], concurrency: int, max
     itl = [g / k for r in records for g, k in r["gaps"] if k]
     chunks = sum(len(r["gaps"]) + 1 for r in records if r["tokens"])
     ttft = [r["ttft_ms"] for r in records]
+    path = [r["path_ms"] for r in records if r.get("path_ms") is not None]
     return {"tok_s": round(tokens / wall, 1), "tokens": tokens, "wall_s": round(wall, 2),
             "requests": len(records), "errors": sum(p["errors"] for p in parts),
             "ttft_ms_p50": round(statistics.median(ttft), 1) if ttft else 0.0, "ttft_ms_p99": _pct(ttft, 0.99),
             "gap_ms_p50": _pct(gaps, 0.5), "gap_ms_p99": _pct(gaps, 0.99),
             # gRPC chunks name their tokens; an SSE chunk does not (None: not measured)
             "itl_ms_p50": _pct(itl, 0.5) if itl else None, "itl_ms_p99": _pct(itl, 0.99) if itl else None,
-            "tokens_per_chunk": round(tokens / chunks, 2) if chunks else 0.0}
+            "tokens_per_chunk": round(tokens / chunks, 2) if chunks else 0.0,
+            # gRPC: client TTFT less the engine's own (None over HTTP: SSE chunks carry no timing)
+            "path_ms_p50": _pct(path, 0.5) if path else None, "path_ms_p99": _pct(path, 0.99) if path else None}

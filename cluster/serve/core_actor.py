@@ -17,6 +17,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 log = logging.getLogger(__name__)
+CORE_PREFIX = "spec-cluster-core::"  # + the replica's id: the core actor's name
 START_TIMEOUT_S = 1800.0  # a cold GPU start compiles and captures for minutes
 
 
@@ -78,9 +79,13 @@ def start_core(config: dict, drafter, replica_id: str, inbox_addr: str, outbox_a
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
     else:
         opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:  # the replica's devices (Ray leaves an actor of no GPUs as it is given)
-        opts["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": visible}}
-    core = EngineCore.options(**opts).remote(config, drafter, replica_id, inbox_addr, outbox_addr)
+    # the replica's devices (Ray leaves an actor of no GPUs as it is given) and its CPU threads
+    # (Ray sets them from the replica's num_cpus; an actor of no CPUs would get one)
+    env = {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS") if k in os.environ}
+    if env:
+        opts["runtime_env"] = {"env_vars": env}
+    # named for operators and fault tests (the dashboard lists it beside its replica)
+    core = EngineCore.options(name=f"{CORE_PREFIX}{replica_id}", **opts).remote(
+        config, drafter, replica_id, inbox_addr, outbox_addr)
     info = ray.get(core.ready.remote(), timeout=START_TIMEOUT_S)
     return core, info

@@ -76,10 +76,10 @@ class Verifier:
         """The core's run ends only when it is stopped or dies: either way nothing more comes."""
         try:
             ray.get(self.done)
-            error: BaseException = RuntimeError("engine core stopped")
+            error = CoreGone("engine core stopped")
         except Exception as e:  # noqa: BLE001 - its death or its error, as Ray reports them
-            error = e
-        if self.client.alive:
+            error = CoreGone(f"engine core died: {type(e).__name__}")
+        if self.client.alive:  # streams in flight end as if the replica died: the router fails them over
             self.client.gone(error)
 
     def _on_step(self, observations, stored, evicted) -> None:

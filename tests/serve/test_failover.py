@@ -10,9 +10,12 @@ import time
 
 import pytest
 
+import ray
+
 from cluster.client import Client
 from cluster.config import parse_config
-from tests.serve.chaos import kill_replica, plain_tokens, replica_ids, serve_state, wait_healthy, wait_until
+from cluster.serve.core_actor import CORE_PREFIX
+from tests.serve.chaos import NAMESPACE, kill_replica, plain_tokens, replica_ids, serve_state, wait_healthy, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +53,10 @@ def reference(demo_pair):
     return plain_tokens(PROMPTS, MAX_TOKENS, ENGINE)
 
 
-def test_streams_survive_a_verifier(client, reference):
+@pytest.mark.parametrize("kill", ["replica", "core"])
+def test_streams_survive_a_verifier(client, reference, kill):
+    """`core`: only the replica's EngineCore actor dies; the replica's health check fails and
+    its streams fail over as if the replica had died."""
     results, errors, ends = [None] * len(PROMPTS), [], [0.0] * len(PROMPTS)
     killed_at = None
 
@@ -69,7 +75,11 @@ def test_streams_survive_a_verifier(client, reference):
     busy = wait_until(lambda: [r.replica for r in client.stats().replicas if r.running > 0]
                       if sum(r.running > 0 for r in client.stats().replicas) == 2 else None, 60,
                       "sequences on both verifiers")
-    killed = kill_replica(APP, "Verifier", busy[0])
+    if kill == "replica":
+        killed = kill_replica(APP, "Verifier", busy[0])
+    else:
+        ray.kill(ray.get_actor(f"{CORE_PREFIX}{busy[0]}", namespace=NAMESPACE), no_restart=True)
+        killed = busy[0]
     killed_at = time.monotonic()
     for t in threads:
         t.join(180)
