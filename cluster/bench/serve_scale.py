@@ -242,7 +242,8 @@ def plot(results: dict) -> None:
         ax.set_xlabel("streams")
     axes[0][0].set_ylabel("endpoint / in-process tokens/s")
     axes[0][0].legend()
-    fig.suptitle("8B-shaped demo pair, one GPU: served against in process")
+    m = CONFIG["models"]
+    fig.suptitle(f"{m['target']} ({m['dtype']}, {m['device']}): served against in process")
     fig.tight_layout()
     fig.savefig(OUT / "serve_scale.png", dpi=120)
 
