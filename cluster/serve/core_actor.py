@@ -17,7 +17,8 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 log = logging.getLogger(__name__)
-CORE_PREFIX = "spec-cluster-core::"  # + the replica's id: the core actor's name
+CORE_PREFIX = "spec-cluster-core::"  # + the replica's id: the core actor's name ...
+CORE_NAMESPACE = "serve"  # ... in Serve's namespace, beside its replica (a child would take the job's)
 START_TIMEOUT_S = 1800.0  # a cold GPU start compiles and captures for minutes
 
 
@@ -85,7 +86,7 @@ def start_core(config: dict, drafter, replica_id: str, inbox_addr: str, outbox_a
     if env:
         opts["runtime_env"] = {"env_vars": env}
     # named for operators and fault tests (the dashboard lists it beside its replica)
-    core = EngineCore.options(name=f"{CORE_PREFIX}{replica_id}", **opts).remote(
+    core = EngineCore.options(name=f"{CORE_PREFIX}{replica_id}", namespace=CORE_NAMESPACE, **opts).remote(
         config, drafter, replica_id, inbox_addr, outbox_addr)
     info = ray.get(core.ready.remote(), timeout=START_TIMEOUT_S)
     return core, info

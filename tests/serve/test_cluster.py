@@ -33,6 +33,8 @@ def _config(port: int, placement: str, name: str) -> dict:
         "engine": {"max_num_seqs": 16, "max_model_len": 512},
         "verifier": {"ray_actor_options": {"num_cpus": 1, "accelerator_type": "H100"}},
         "drafter": {"ray_actor_options": {"num_cpus": 1, "resources": {"head": 0.01}}},
+        # the colocated app runs every test here through two Router replicas
+        "router": {"num_replicas": 2 if placement == "colocated" else 1},
     }
 
 
@@ -195,6 +197,18 @@ def test_model_info_stats_and_health(app):
             break
         time.sleep(0.5)
     assert len(stats.replicas) == 1 and stats.replicas[0].kv_slots_total == 16
+
+
+def test_router_replicas(app):
+    from ray import serve
+
+    placement, name, client = app
+    router = serve.status().applications[name].deployments["Router"]
+    assert sum(n for state, n in router.replica_states.items() if state == "RUNNING") == (
+        2 if placement == "colocated" else 1)
+    # concurrent requests through the proxy, which spreads them over the routers by load
+    outs, errors = run_concurrently(lambda i: client.generate(PROMPTS[i % len(PROMPTS)], max_tokens=4), 8, 120)
+    assert not errors and sorted(outs) == list(range(8)) and all(len(o.token_ids) == 4 for o in outs.values())
 
 
 def test_get_stats_reports_the_paged_kv_pool(app):

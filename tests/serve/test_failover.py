@@ -14,8 +14,8 @@ import ray
 
 from cluster.client import Client
 from cluster.config import parse_config
-from cluster.serve.core_actor import CORE_PREFIX
-from tests.serve.chaos import NAMESPACE, kill_replica, plain_tokens, replica_ids, serve_state, wait_healthy, wait_until
+from cluster.serve.core_actor import CORE_NAMESPACE, CORE_PREFIX
+from tests.serve.chaos import kill_replica, plain_tokens, replica_ids, serve_state, wait_healthy, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +78,7 @@ def test_streams_survive_a_verifier(client, reference, kill):
     if kill == "replica":
         killed = kill_replica(APP, "Verifier", busy[0])
     else:
-        ray.kill(ray.get_actor(f"{CORE_PREFIX}{busy[0]}", namespace=NAMESPACE), no_restart=True)
+        ray.kill(ray.get_actor(f"{CORE_PREFIX}{busy[0]}", namespace=CORE_NAMESPACE), no_restart=True)
         killed = busy[0]
     killed_at = time.monotonic()
     for t in threads:
