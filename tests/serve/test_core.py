@@ -112,6 +112,7 @@ def test_outputs_cross_unchanged(engine, random_models):
         assert any(steps) and all(o.batch_size >= 1 for obs in steps for o in obs)  # observations cross
         stats = core.client.request_stats().result(timeout=30)  # answered after those outputs
         assert stats["finished"] == 2 and stats["running"] == 0
+        assert core.client.messages == stats["steps"] == len(steps)  # one message a step, whatever its rows
     finally:
         core.close()
 
