@@ -17,7 +17,7 @@ import time
 PROCS = 4  # client processes; each drives its share of the streams from one event loop
 
 
-async def _grpc_one(stub, pb, prompt: str, max_tokens: int, spec) -> dict:
+async def _grpc_one(stub, prompt: str, max_tokens: int, spec) -> dict:
     from cluster.client import build_request
 
     t, first, last, gaps, tokens, engine_ttft = time.perf_counter(), None, None, [], 0, None
@@ -77,13 +77,12 @@ async def _drive(api: str, target: str, model: str, prompts: list[str], concurre
     if api == "grpc":
         import grpc
 
-        from cluster.proto import generation_pb2 as pb
         from cluster.proto import generation_pb2_grpc as pb_grpc
 
         async with grpc.aio.insecure_channel(target) as channel:
             stub = pb_grpc.GenerationStub(channel)
             start = time.time()
-            await asyncio.gather(*[worker(lambda p: _grpc_one(stub, pb, p, max_tokens, spec))
+            await asyncio.gather(*[worker(lambda p: _grpc_one(stub, p, max_tokens, spec))
                                    for _ in range(concurrency)])
     else:
         import aiohttp

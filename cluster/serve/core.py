@@ -84,8 +84,7 @@ def engine_info(engine: Engine) -> dict:
     return {"vocab_size": m.vocab_size, "max_model_len": engine.max_model_len, "attention_backend": engine.backend,
             "block_size": engine.cfg.block_size, "drafters": sorted(engine.drafters),
             "limits": dataclasses.asdict(engine.limits), "max_num_seqs": engine.cfg.max_num_seqs,
-            "max_waiting": engine.cfg.max_waiting, "prefix_caching": engine.kv.pool.prefix_caching,
-            "backend": engine.backend}
+            "max_waiting": engine.cfg.max_waiting, "prefix_caching": engine.kv.pool.prefix_caching}
 
 
 class CoreLoop:
@@ -132,13 +131,11 @@ class CoreLoop:
                 log.error("engine step failed: %s", traceback.format_exc())
                 self._fail_all(e)
                 continue
-            for o in outs:
-                if o.finished:
-                    self.live.discard(o.seq_id)
             ended = time.perf_counter()
             self.busy_s += ended - started
+            self.live.difference_update(o.seq_id for o in outs if o.finished)
             s = self.engine.scheduler
-            self._send(["step", [encode_output(o) for o in outs if o.seq_id in self.live or o.finished],
+            self._send(["step", [encode_output(o) for o in outs],
                         self.obs, [self.kv[0], self.kv[1]], len(s.running), len(s.waiting),
                         self.engine.kv.pool.stats.hit_rate, time.time()])
             self.obs, self.kv = [], ([], [])

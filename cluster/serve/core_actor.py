@@ -8,15 +8,12 @@ books, the core drives them. The replica owns the actor, so Ray ends it with the
 
 from __future__ import annotations
 
-import logging
 import os
 import uuid
 
 import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
-
-log = logging.getLogger(__name__)
 CORE_PREFIX = "spec-cluster-core::"  # + the replica's id: the core actor's name ...
 CORE_NAMESPACE = "serve"  # ... in Serve's namespace, beside its replica (a child would take the job's)
 START_TIMEOUT_S = 1800.0  # a cold GPU start compiles and captures for minutes

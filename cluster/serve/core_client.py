@@ -146,24 +146,21 @@ class CoreClient:
             self.gone(RankFailure(msg[1]) if msg[2] else CoreGone(msg[1]))
 
     def _deliver(self, outs) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for o in outs:
-            target = self.queues.get(o.seq_id)
-            if target is None:  # aborted meanwhile
-                continue
-            if o.finished:
-                self.queues.pop(o.seq_id, None)
-            by_loop.setdefault(target[0], []).append((target[1], o))
-        for loop, items in by_loop.items():  # one wake-up of the event loop per step
-            loop.call_soon_threadsafe(_put_all, items)
+        self._route([(o.seq_id, o, o.finished) for o in outs])
 
     def _fail(self, sids, error: BaseException) -> None:
-        items: dict = {}
-        for sid in sids:
-            target = self.queues.pop(sid, None)
+        self._route([(sid, error, True) for sid in sids])
+
+    def _route(self, items) -> None:
+        """(request id, output or error, last) to each request's queue, with one wake-up of
+        each event loop for all of them; a request's queue goes with its last item. Requests
+        aborted meanwhile get nothing."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for sid, item, last in items:
+            target = self.queues.pop(sid, None) if last else self.queues.get(sid)
             if target is not None:
-                items.setdefault(target[0], []).append((target[1], error))
-        for loop, group in items.items():
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, group in by_loop.items():
             loop.call_soon_threadsafe(_put_all, group)
 
     def gone(self, error: BaseException) -> None:

@@ -70,7 +70,7 @@ class Verifier:
         if board is not None:
             threading.Thread(target=self._report, name="stats-report", daemon=True).start()
         log.info("verifier %s ready: backend=%s placement=%s core pid %s", self.replica_id,
-                 self.info["backend"], cfg.placement, self.info["pid"])
+                 self.info["attention_backend"], cfg.placement, self.info["pid"])
 
     def _watch(self) -> None:
         """The core's run ends only when it is stopped or dies: either way nothing more comes."""
@@ -255,8 +255,13 @@ async def _collect(out, q: asyncio.Queue, wait_s: float):
             more = await asyncio.wait_for(q.get(), left)
         except asyncio.TimeoutError:
             break
-        out = more if isinstance(more, Exception) else out.then(more)
+        out = _join(out, more)
     return out
+
+
+def _join(out, more):
+    """`out` followed by `more`; an exception ends the stream, so it wins."""
+    return more if isinstance(more, Exception) else out.then(more)
 
 
 def _merge(out, q: asyncio.Queue):
@@ -264,8 +269,7 @@ def _merge(out, q: asyncio.Queue):
     sends fewer, larger messages instead of falling behind. An exception waiting behind it
     wins (the stream ends with it)."""
     while not _final(out) and not q.empty():
-        more = q.get_nowait()
-        out = more if isinstance(more, Exception) else out.then(more)
+        out = _join(out, q.get_nowait())
     return out
 
 
