@@ -8,7 +8,7 @@ prompts, 128 greedy tokens, 2c requests at c in flight (c = 1: 16 requests).
 1. Through `spec-cluster up` (the same engine config in one Verifier replica, its engine in
    an engine-core actor): gRPC streams and the OpenAI API's SSE streams, driven by
    cluster.bench.streams from 4 client processes, with the verifier's `running` sampled
-   every 0.25 s (GetStats).
+   every 0.1 s (GetStats).
 2. In process: `run_engine` at each level and speculation mode, after the endpoint has gone
    (its processes free their GPU memory when they end).
 The three paths run the same prompts at a point; prefix caching is off.
@@ -16,7 +16,8 @@ Each point's tokens/s, the endpoint / engine ratio, TTFT, chunk gap and ITL p50/
 clocks). LEVELS (default 1,64,128,256), SPECS (default off,4,auto) and APIS (grpc,http) as
 comma lists; STREAM_MS sets router.stream_interval_ms (or the same as flags); OVERRIDES, JSON,
 is merged into the config. DEVICE=cpu runs
-the small demo pair (max_num_seqs 32) on the CPU.
+the small demo pair (max_num_seqs 32) on the CPU. ACTOR=1 runs the in-process part inside a Ray
+actor of no CPUs, as the engine core runs.
 """
 
 from __future__ import annotations
@@ -86,12 +87,11 @@ def prompts(tok, n: int, seed: int) -> list[str]:
     raise RuntimeError("not enough long prompts")
 
 
-def seed(c: int, spec: str, path: str) -> int:
-    """The same prompts for the engine, gRPC and HTTP at one level and speculation, so the
-    paths compare on equal work (acceptance varies by prompt: at one stream gamma 4 ranged
-    231-313 tok/s over different prompt sets); other speculation settings get others. No
-    prefix is reused: the config turns prefix caching off."""
-    return 1000 * c + 10 * SPECS.index(spec)
+def seed(c: int) -> int:
+    """The same prompts for every path and speculation setting at one level, so they compare
+    on equal work: acceptance varies by prompt (at one stream gamma 4 ranged 231-313 tok/s
+    over different prompt sets). No prefix is reused: the config turns prefix caching off."""
+    return 1000 * c
 
 
 def late() -> bool:
@@ -106,6 +106,10 @@ def late() -> bool:
 def spec_of(name: str):
     """The request's speculation as the clients name it: "off", "auto" or a gamma."""
     return name if name in ("off", "auto") else int(name)
+
+
+TRACE_TO = 1  # levels up to this get a per-step trace of the in-process engine
+TRACE_FIELDS = ["batch", "gamma", "drafted", "accepted", "pipelined", "verify_ms", "draft_ms", "step_ms"]
 
 
 def requests_at(c: int) -> int:
@@ -125,7 +129,13 @@ def in_process(results: dict, tok) -> None:
         for s in SPECS:
             spec = SpecParams(s) if s in ("off", "auto") else SpecParams("fixed", int(s))
             before, t0 = engine.stats(), time.perf_counter()
-            done, wall = run_engine(engine, prompts(tok, requests_at(c), seed(c, s, "engine")), c, NEW_TOKENS, spec)
+            trace: list = []  # per step, at low load: what the controller saw
+            if c <= TRACE_TO:
+                engine.on_verify = lambda o: trace.append(  # noqa: B023 - cleared below
+                    (o.batch_size, o.gamma, o.drafted, sum(o.accepted_per_position), int(o.pipelined),
+                     round(1e3 * o.verify_s, 2), round(1e3 * o.draft_s, 2), round(1e3 * o.step_s, 2)))
+            done, wall = run_engine(engine, prompts(tok, requests_at(c), seed(c)), c, NEW_TOKENS, spec)
+            engine.on_verify = None
             tps = sum(len(r["token_ids"]) for r in done) / wall
             point = results.setdefault(f"{c}/{s}", {})
             point["engine_tok_s"] = round(tps, 1)
@@ -135,10 +145,37 @@ def in_process(results: dict, tok) -> None:
             point["engine_core"] = {"steps": steps, "prefill_steps": after["prefill_steps"] - before["prefill_steps"],
                                     "step_ms": round(1e3 * (time.perf_counter() - t0) / max(1, steps), 2)}
             point["engine_kv_blocks"] = engine.stats()["kv_blocks_total"]
+            if trace:
+                point["engine_trace"] = {"fields": TRACE_FIELDS, "steps": trace}
+            if s == "auto" and engine.controller is not None:
+                point["engine_controller"] = engine.controller.snapshot()
             save(results)
             log(f"engine c={c} spec={s}: {tps:.0f} tok/s, {point['engine_preemptions']} preemptions, "
                 f"{point['engine_core']}")
     engine.close()
+
+
+def in_actor(tok) -> dict:
+    """The in-process sweep inside a Ray actor of no CPUs (ACTOR=1), as the engine core runs:
+    what the actor's process costs a step, apart from Serve and the sockets."""
+    import ray
+
+    ray.init(include_dashboard=False, logging_level="ERROR")
+
+    @ray.remote(num_cpus=0, num_gpus=1 if CONFIG["models"]["device"] == "cuda" else 0)
+    def sweep(tok, config: dict, out: str, levels: list, specs: list) -> dict:
+        global OUT, LEVELS, SPECS
+        CONFIG.clear()
+        CONFIG.update(config)
+        OUT, LEVELS, SPECS = Path(out), levels, specs
+        results: dict = {}
+        in_process(results, tok)
+        return results
+
+    try:
+        return ray.get(sweep.remote(tok, CONFIG, str(OUT), LEVELS, SPECS))
+    finally:
+        ray.shutdown()
 
 
 def endpoint(results: dict, tok) -> None:
@@ -156,7 +193,7 @@ def endpoint(results: dict, tok) -> None:
                 for api in APIS:
                     if late():
                         return
-                    ps = prompts(tok, requests_at(c), seed(c, s, api))
+                    ps = prompts(tok, requests_at(c), seed(c))
                     running, held, stop, last = [], [], threading.Event(), {}
                     t0 = time.time()
 
@@ -170,7 +207,7 @@ def endpoint(results: dict, tok) -> None:
                                 last.update(preemptions=sum(r.preemptions for r in st.replicas),
                                             kv_blocks=sum(r.kv_blocks_total for r in st.replicas),
                                             at=time.time(), **{k: st.metrics[k] for k in CORE if k in st.metrics})
-                                stop.wait(0.25)
+                                stop.wait(SAMPLE_S)
 
                     w = threading.Thread(target=watch, daemon=True)
                     w.start()
@@ -190,15 +227,22 @@ def endpoint(results: dict, tok) -> None:
                     # the clients sent has reached it
                     m["held"] = held
                     m["held_reached_s"] = next((t for t, n in held if n >= c), None)
+                    # counted from when the last client process began sending (every stream's
+                    # first request then out); GetStats reads a board the replica refreshes
+                    # every REPORT_S, so this is an upper bound, late by up to that and a sample
+                    sent = max(m.pop("sent_at")) - t0
+                    m["sent_s"] = round(sent, 2)
+                    m["reached_after_sent_s"] = None if m["reached_s"] is None else round(m["reached_s"] - sent, 2)
                     point[api] = m
                     save(results)
                     log(f"{api} c={c} spec={s}: {m['tok_s']:.0f} tok/s, {m['preemptions']} preemptions, core {m['core']}, "
                         f"ttft p50 {m['ttft_ms_p50']} ms (path {m['path_ms_p50']} ms), itl p50 {m['itl_ms_p50']} ms, "
                         f"{m['tokens_per_chunk']} tok/chunk, errors {m['errors']}, running reached {min(c, 256)} "
-                        f"at {m['reached_s']} s (held {c} at {m['held_reached_s']} s), "
+                        f"at {m['reached_s']} s, {m['reached_after_sent_s']} s after the last client began (held {c} at {m['held_reached_s']} s), "
                         f"peak {max((n for _, n in running), default=0)}")
 
 
+SAMPLE_S = 0.1  # GetStats sampling period while a point runs
 CORE = ("steps", "prefill_steps", "step_busy_s", "core_host_s", "step_messages", "step_lag_s")
 
 
@@ -293,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("ENDPOINT", "1") != "0":
         endpoint(results, tok)
     if os.environ.get("ENGINE", "1") != "0":  # ENGINE=0: the endpoint only
-        in_process(results, tok)
+        if os.environ.get("ACTOR") == "1":
+            results.update(in_actor(tok))
+        else:
+            in_process(results, tok)
     save(results)
     ratios(results)
     save(results)

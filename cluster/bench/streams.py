@@ -121,10 +121,16 @@ def run_streams(api: str, target: str, prompts: list[str], concurrency: int, max
     path = [r["path_ms"] for r in records if r.get("path_ms") is not None]
     return {"tok_s": round(tokens / wall, 1), "tokens": tokens, "wall_s": round(wall, 2),
             "requests": len(records), "errors": sum(p["errors"] for p in parts),
+            # wall clock (time.time) when each client process began sending: the last of them
+            # is when every stream's first request had gone out
+            "sent_at": [p["start"] for p in parts],
             "ttft_ms_p50": round(statistics.median(ttft), 1) if ttft else 0.0, "ttft_ms_p99": _pct(ttft, 0.99),
             "gap_ms_p50": _pct(gaps, 0.5), "gap_ms_p99": _pct(gaps, 0.99),
             # gRPC chunks name their tokens; an SSE chunk does not (None: not measured)
             "itl_ms_p50": _pct(itl, 0.5) if itl else None, "itl_ms_p99": _pct(itl, 0.99) if itl else None,
             "tokens_per_chunk": round(tokens / chunks, 2) if chunks else 0.0,
             # gRPC: client TTFT less the engine's own (None over HTTP: SSE chunks carry no timing)
-            "path_ms_p50": _pct(path, 0.5) if path else None, "path_ms_p99": _pct(path, 0.99) if path else None}
+            "path_ms_p50": _pct(path, 0.5) if path else None, "path_ms_p99": _pct(path, 0.99) if path else None,
+            # the engine's TTFT starts when its core takes the request: no request took longer
+            # than this to reach the engine from its client's send
+            "path_ms_max": round(max(path), 1) if path else None}
