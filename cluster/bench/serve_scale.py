@@ -11,7 +11,7 @@ prompts, 128 greedy tokens, 2c requests at c in flight (c = 1: 16 requests).
    every 0.1 s (GetStats).
 2. In process: `run_engine` at each level and speculation mode, after the endpoint has gone
    (its processes free their GPU memory when they end).
-The three paths run the same prompts at a point; prefix caching is off.
+Every path and speculation setting of a level runs the same prompts; prefix caching is off.
 Each point's tokens/s, the endpoint / engine ratio, TTFT, chunk gap and ITL p50/p99 (client
 clocks). LEVELS (default 1,64,128,256), SPECS (default off,4,auto) and APIS (grpc,http) as
 comma lists; STREAM_MS sets router.stream_interval_ms (or the same as flags); OVERRIDES, JSON,
