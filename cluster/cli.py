@@ -173,7 +173,7 @@ def cmd_generate(args) -> int:
 def _generate_local(args) -> dict | None:
     from cluster.config import load_config
     from cluster.engine.sampling import SamplingParams
-    from cluster.engine.sequence import SpecParams
+    from cluster.engine.scheduling.sequence import SpecParams
     from cluster.serve.build import build_engine
 
     over = _overrides(args)

@@ -18,7 +18,7 @@ from cluster.policy.config import SpeculationPolicyConfig, describe_error, load_
 
 DEMO_DIR = Path(__file__).parent / "models" / "demo"
 ALIASES = {"demo-target": DEMO_DIR / "target", "demo-draft": DEMO_DIR / "draft",
-           # the demo pair embedded in Llama-3.1-8B dimensions (cluster/engine/embedded.py): 8B cost, demo acceptance
+           # the demo pair embedded in Llama-3.1-8B dimensions (cluster/engine/worker/embedded.py): 8B cost, demo acceptance
            "demo-8b-target": DEMO_DIR.parent / "demo-8b" / "target", "demo-8b-draft": DEMO_DIR.parent / "demo-8b" / "draft",
            # the demo target in Llama-3.1-70B dimensions, for tensor-parallel runs (draft: demo-8b-draft)
            "demo-70b-target": DEMO_DIR.parent / "demo-70b" / "target"}
@@ -57,13 +57,17 @@ class ModelsConfig(_Strict):
     device: str = "auto"
     """'auto' (cuda when present, else cpu), 'cpu' or 'cuda'."""
     attention: str = "auto"
-    """Attention backend (cluster.engine.attention.BACKENDS): auto picks FA3's paged interface on
+    """Attention backend (cluster.engine.worker.attention.BACKENDS): auto picks FA3's paged interface on
     Hopper where the FA3 build has it, the paged Triton kernel on other CUDA, SDPA on CPU."""
 
     @field_validator("attention")
     @classmethod
     def _known_backend(cls, v: str) -> str:
-        return EngineConfig._known_backend(v)
+        from cluster.engine.worker.attention import BACKENDS
+
+        if v not in BACKENDS:
+            raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _draft_needed(self):

@@ -1,5 +1,5 @@
 """Hopper speed of the verifier engine at Llama-3.1-8B dimensions (bf16), with a drafter
-whose acceptance is real: the trained demo pair embedded in the 8B shape (cluster/engine/embedded.py;
+whose acceptance is real: the trained demo pair embedded in the 8B shape (cluster/engine/worker/embedded.py;
 every weight of the 8B shape is read each step, the function is the demo target's).
 
     bash scripts/gpu_bench.sh      # on the GPU machine; writes $OUT/gpu_bench.json
@@ -26,18 +26,18 @@ from pathlib import Path
 
 import torch
 
-from cluster.engine.embedded import demo_8b
+from cluster.engine.worker.embedded import demo_8b
 from cluster.bench.synthetic import copy_bandwidth, cuda_time
 from cluster.bench.workloads import code_prompts
-from cluster.engine.attention import AttnContext, SdpaBackend, make_backend
+from cluster.engine.worker.attention import AttnContext, SdpaBackend, make_backend
 from cluster.engine.drafters.base import DraftRequest
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.engine import Engine
 from cluster.engine.sampling import SamplingParams
 from cluster.engine.config import EngineConfig
-from cluster.engine.kv_cache import KVCache
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.kv_cache import KVCache
+from cluster.engine.scheduling.sequence import SpecParams
 from cluster.policy import SpeculationPolicyConfig, make_controller
 
 OUT = os.environ.get("OUT", ".")
@@ -92,7 +92,7 @@ def agreement(engine, prompt: list[int], spec: list[int], plain: list[int]) -> d
 def gemv_configs() -> dict:
     """The Triton GEMV's tuned config per weight shape this run (tuning is timed, so it can
     differ between runs, and with it the decode step's rounding)."""
-    from cluster.engine.gemv import _gemv
+    from cluster.engine.worker.gemv import _gemv
 
     return {str(k[:4]): str(c) for k, c in getattr(_gemv, "cache", {}).items()}
 
@@ -379,7 +379,7 @@ def dumps(R: dict) -> str:
 
 
 def _write(R: dict, name: str) -> int:
-    from cluster.engine import gemv
+    from cluster.engine.worker import gemv
 
     R["gemv_max_rows"] = gemv.MAX_ROWS  # 1: multi-row projections (verify) on cuBLAS
     os.makedirs(OUT, exist_ok=True)

@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from cluster.engine.attention import Fa3Backend, SdpaBackend, make_backend
-from cluster.engine.kv_cache import KVCache
+from cluster.engine.worker.attention import Fa3Backend, SdpaBackend, make_backend
+from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.bench.synthetic import copy_bandwidth, cuda_time, random_llama
-from cluster.engine.model import CausalLM
-from cluster.engine.runner import Runner
+from cluster.engine.worker.model import CausalLM
+from cluster.engine.worker.runner import Runner
 
 def random_model(layers: int | None = None) -> CausalLM:
     return random_llama(layers)

@@ -4,7 +4,7 @@ step, greedy output against speculation off, and the draft step's time.
     PYTHONPATH=. python3 scripts/gpu_eagle3.py [--target demo-target] [--dtype bfloat16]
 
 Not run on CPU. The 8B-shape measurement the issue asks for (the head embedded the way the
-demo pair is, cluster/engine/embedded.py) is still to be written.
+demo pair is, cluster/engine/worker/embedded.py) is still to be written.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from cluster.config import parse_config
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.sequence import SpecParams
 from cluster.serve.build import build_engine
 
 

@@ -69,7 +69,7 @@ def measure(kv_dtype: str, target, draft, tok, prompts, seqs) -> dict:
     from cluster.engine.drafters.model import ModelDrafter
     from cluster.engine.engine import Engine
     from cluster.engine.config import EngineConfig
-    from cluster.engine.sequence import SpecParams
+    from cluster.engine.scheduling.sequence import SpecParams
 
     cfg = EngineConfig(max_num_seqs=BATCH, max_model_len=CTX + 64, max_batch_tokens=4096, prefill_chunk=512,
                        gamma=4, gamma_max=4, device=DEV, dtype="float32" if SMOKE else "bfloat16",
@@ -118,11 +118,11 @@ def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
 def main() -> int:
     from transformers import AutoTokenizer
 
-    from cluster.engine.embedded import demo_8b
+    from cluster.engine.worker.embedded import demo_8b
     from cluster.bench.workloads import code_prompts
 
     if SMOKE:
-        from cluster.engine.loader import load_model
+        from cluster.engine.worker.loader import load_model
 
         target, draft = (load_model(DEMO / n, torch.float32, "cpu") for n in ("target", "draft"))
     else:

@@ -1,4 +1,4 @@
-"""The multi-row kernel (cluster/engine/gemv.py, _gemm_rows) against cuBLAS, on the GPU.
+"""The multi-row kernel (cluster/engine/worker/gemv.py, _gemm_rows) against cuBLAS, on the GPU.
 
 1. Each 8B projection (norm, SiLU and residual as the model fuses them) at 2, 5, 9 and 16 rows:
    every config the kernel tunes over, cuBLAS as the model composes it without the kernel
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cluster.bench.synthetic import copy_bandwidth, cuda_time  # noqa: E402
-from cluster.engine import gemv, model  # noqa: E402
+from cluster.engine.worker import gemv, model  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
 DEMO = Path(__file__).resolve().parents[1] / "cluster" / "models" / "demo"
@@ -138,7 +138,7 @@ def step_times(engine, max_rows: int) -> dict:
 def main() -> int:
     from transformers import AutoTokenizer
 
-    from cluster.engine.embedded import demo_8b
+    from cluster.engine.worker.embedded import demo_8b
     from cluster.engine.engine import Engine
     from cluster.engine.config import EngineConfig
 

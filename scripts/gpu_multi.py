@@ -206,7 +206,7 @@ def part_shared(args, p, base, t0) -> dict:
 def part_routing(args, p, base, t0) -> dict:
     from cluster.bench import routing_bench as rb
     from cluster.config import resolve_model_path
-    from cluster.engine.loader import load_tokenizer
+    from cluster.engine.worker.loader import load_tokenizer
     from cluster.kvdir.embedded import start_local_server
 
     two = Mode("two_verifiers", "colocated", 2, 1.0)

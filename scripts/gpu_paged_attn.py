@@ -1,4 +1,4 @@
-"""The paged-attention kernel (cluster/engine/paged_attention.py) on a Hopper GPU: correctness
+"""The paged-attention kernel (cluster/engine/worker/paged_attention.py) on a Hopper GPU: correctness
 against SDPA, a sweep of its block configs, and its time against the FA3 slot-cache path it
 replaces (the fa3-fwd wheel's flash_attn_with_kvcache with cache_batch_idx, which has no paged
 KV), at the shapes of Llama-3.1-8B (32 q heads, 8 kv heads, head dim 128), bf16.
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster.bench.synthetic import cuda_time
-from cluster.engine.paged_attention import num_splits, paged_attention
+from cluster.engine.worker.paged_attention import num_splits, paged_attention
 
 OUT = os.environ.get("OUT", ".")
 H, HKV, D, BS = 32, 8, 128, 16

@@ -31,8 +31,8 @@ SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "dow
 def gemv_correct() -> dict:
     """Every Triton GEMV config against the eager composition, all fusions."""
     import triton
-    from cluster.engine import gemv
-    from cluster.engine.model import linear
+    from cluster.engine.worker import gemv
+    from cluster.engine.worker.model import linear
 
     worst = {}
     k, n = 4096, 1024
@@ -59,7 +59,7 @@ def gemv_correct() -> dict:
 
 
 def gemv_table(bw: float) -> dict:
-    from cluster.engine.gemv import fused_linear
+    from cluster.engine.worker.gemv import fused_linear
 
     out = {}
     for name, (k, n) in SHAPES.items():

@@ -1,5 +1,5 @@
 """The paged engine where real traffic begins, on one Hopper GPU: the demo pair embedded in
-Llama-3.1-8B dimensions (cluster/engine/embedded.py), bf16, the Hopper config's engine shape
+Llama-3.1-8B dimensions (cluster/engine/worker/embedded.py), bf16, the Hopper config's engine shape
 (256 sequences, 33k-token context, 2048-token steps, prefill chunks of 512, KV from memory).
 
     bash scripts/gpu_py.sh gpu_scale.py     # writes $OUT/gpu_scale.json
@@ -36,9 +36,9 @@ from cluster.bench.workloads import code_prompts, random_token_prompts
 from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.drafters.ngram import NgramDrafter
-from cluster.engine.embedded import demo_8b
+from cluster.engine.worker.embedded import demo_8b
 from cluster.engine.engine import Engine
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.sequence import SpecParams
 from cluster.policy import SpeculationPolicyConfig, make_controller
 
 OUT = os.environ.get("OUT", ".")

@@ -28,7 +28,7 @@ import torch
 
 from cluster.config import parse_config
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.sequence import SpecParams
 from cluster.serve.build import build_engine
 
 OUT = Path(os.environ.get("OUT", "."))

@@ -25,7 +25,7 @@ import gpu_gemm_rows  # noqa: E402
 from gpu_gemm_rows import cublas, sweep, tuned_configs  # noqa: E402
 
 from cluster.bench.synthetic import copy_bandwidth, cuda_time  # noqa: E402
-from cluster.engine import gemv  # noqa: E402
+from cluster.engine.worker import gemv  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
 # SMOKE=1 (with TRITON_INTERPRET=1 GEMV_CONFIGS=one): a tiny shape on CPU, to check the script
@@ -75,7 +75,7 @@ def main() -> int:
 def step_ab() -> int:
     from transformers import AutoTokenizer
 
-    from cluster.engine.embedded import demo_8b
+    from cluster.engine.worker.embedded import demo_8b
     from cluster.engine.engine import Engine
     from cluster.engine.config import EngineConfig
     from gpu_bench import step_calls

@@ -42,7 +42,7 @@ from cluster.bench.synthetic import copy_bandwidth, cuda_time  # noqa: E402
 from cluster.bench.workloads import code_prompts  # noqa: E402
 from cluster.config import ClusterConfig, resolve_model_path  # noqa: E402
 from cluster.engine.drafters.base import DraftRequest  # noqa: E402
-from cluster.engine.sequence import SpecParams  # noqa: E402
+from cluster.engine.scheduling.sequence import SpecParams  # noqa: E402
 from cluster.policy import SpeculationPolicyConfig, make_controller  # noqa: E402
 
 T0 = time.time()

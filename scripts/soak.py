@@ -47,7 +47,7 @@ GREEDY_TOKENS = 32
 def reference() -> list[list[int]]:
     from cluster.config import parse_config
     from cluster.engine.sampling import SamplingParams
-    from cluster.engine.sequence import SpecParams
+    from cluster.engine.scheduling.sequence import SpecParams
     from cluster.serve.build import build_engine
 
     engine = build_engine(parse_config({"engine": ENGINE}))

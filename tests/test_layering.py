@@ -89,10 +89,41 @@ def test_layers_import_only_below(package):
     assert not bad
 
 
+# The engine's rooms (cluster/engine/__init__.py), lowest first: a room imports only rooms
+# before it and the shared modules at the top; the entry modules are imported by none of them.
+ROOMS = ["scheduling", "worker", "drafters", "spec", "distributed"]
+SHARED = {"config", "sampling", "logprobs", "observation", "stopping"}
+ENTRY = {"engine", "generate", "requests"}
+
+
+def _engine_part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["cluster", "engine"] and len(parts) > 2 else None
+
+
+def test_engine_rooms_import_downwards():
+    assert {p.name for p in (PKG / "engine").iterdir() if p.is_dir() and p.name != "__pycache__"} == set(ROOMS)
+    assert {p.stem for p in (PKG / "engine").glob("*.py")} == SHARED | ENTRY | {"__init__"}
+    bad = []
+    for name, deps in import_graph().items():
+        part = _engine_part(name)
+        if part is None or part in ENTRY:
+            continue
+        allowed = SHARED | ({part} | set(ROOMS[:ROOMS.index(part)]) if part in ROOMS else set())
+        bad += [f"{name} -> {d}" for d in deps if (p := _engine_part(d)) is not None and p not in allowed]
+    assert not bad
+
+
+def test_no_file_over_400_lines():
+    long = [str(p.relative_to(ROOT)) for p in PKG.rglob("*.py")
+            if "proto" not in p.parts and len(p.read_text().splitlines()) > 400]
+    assert not long
+
+
 def test_drafters_import_no_engine_state():
     """A drafter is fed its inputs (DraftRequest), so it never needs the engine, its
     scheduler or its sequences: that is what lets one run in another process."""
-    banned = {"cluster.engine.engine", "cluster.engine.scheduler", "cluster.engine.sequence", "cluster.engine.drafting"}
+    banned = {"cluster.engine.engine", "cluster.engine.scheduling.scheduler", "cluster.engine.scheduling.sequence", "cluster.engine.spec.drafting"}
     graph = import_graph()
     bad = [f"{n} -> {d}" for n, deps in graph.items() if n.startswith("cluster.engine.drafters") for d in deps & banned]
     assert not bad

@@ -32,14 +32,14 @@ HERE = Path(__file__).resolve().parent
 DEMO = "cluster/models/demo/target"
 # phase -> (module, class or None, attribute): the first that exists in a checkout is wrapped
 PHASES = {
-    "schedule": [("cluster.engine.scheduler", "Scheduler", "schedule_prefill"),
-                 ("cluster.engine.scheduler", "Scheduler", "schedule_verify"),
+    "schedule": [("cluster.engine.scheduling.scheduler", "Scheduler", "schedule_prefill"),
+                 ("cluster.engine.scheduling.scheduler", "Scheduler", "schedule_verify"),
                  ("cluster.engine.engine", "Engine", "_gammas")],
-    "draft": [("cluster.engine.drafting", "DraftPlanner", "draft"),
-              ("cluster.engine.drafting", "DraftPlanner", "ask_ahead")],
-    "inputs": [("cluster.engine.runner", "Runner", "forward"),
-               ("cluster.engine.kv_cache", "KVCache", "sync")],
-    "model": [("cluster.engine.runner", "Runner", "run")],
+    "draft": [("cluster.engine.spec.drafting", "DraftPlanner", "draft"),
+              ("cluster.engine.spec.drafting", "DraftPlanner", "ask_ahead")],
+    "inputs": [("cluster.engine.worker.runner", "Runner", "forward"),
+               ("cluster.engine.scheduling.kv_cache", "KVCache", "sync")],
+    "model": [("cluster.engine.worker.runner", "Runner", "run")],
     "acceptance": [("cluster.engine.engine", "Engine", "_acceptance")],
     "accept_stop": [("cluster.engine.engine", "Engine", "_accept"),
                     ("cluster.engine.engine", "Engine", "_keep_hidden")],
@@ -94,9 +94,9 @@ def build_engine(max_seqs: int):
 
     from cluster.engine.config import EngineConfig
     from cluster.engine.drafters.ngram import NgramDrafter
-    from cluster.engine.embedded import random_model
+    from cluster.engine.worker.embedded import random_model
     from cluster.engine.engine import Engine
-    from cluster.engine.loader import load_tokenizer
+    from cluster.engine.worker.loader import load_tokenizer
 
     torch.manual_seed(0)
     tok = load_tokenizer(DEMO)
@@ -124,7 +124,7 @@ def prompts(tok, n: int, seed: int, length: int = 640) -> list[list[int]]:
 
 def measure(engine, timers: Timers, batch: int, mode: str, steps: int, seed: int, prof=None) -> dict:
     from cluster.engine.sampling import SamplingParams
-    from cluster.engine.sequence import SpecParams
+    from cluster.engine.scheduling.sequence import SpecParams
 
     spec = SpecParams("off") if mode == "decode" else SpecParams("fixed", 4)
     params = SamplingParams(max_tokens=300, ignore_eos=True)

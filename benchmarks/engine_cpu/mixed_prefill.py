@@ -38,7 +38,7 @@ def run(mixed: bool, mode: str) -> dict:
     from cluster.engine.config import EngineConfig
     from cluster.engine.engine import Engine
     from cluster.engine.sampling import SamplingParams
-    from cluster.engine.sequence import SpecParams
+    from cluster.engine.scheduling.sequence import SpecParams
 
     cfg = EngineConfig(max_num_seqs=32, max_model_len=512, mixed_prefill=mixed)
     engine = Engine.from_pretrained(TARGET, DRAFT, "model", cfg)

@@ -21,7 +21,7 @@ from cluster.bench.workloads import code_prompts
 from cluster.config import parse_config
 from cluster.engine.drafters.eagle3 import Eagle3Drafter
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.sequence import SpecParams
 from cluster.serve.build import build_engine
 
 

@@ -125,7 +125,7 @@ def hf_baseline(target: str, draft: str | None, prompts, max_tokens: int) -> dic
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cluster.engine.loader import load_tokenizer
+    from cluster.engine.worker.loader import load_tokenizer
 
     tok = load_tokenizer(target)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     points, engine, cfg = [], None, None
     if not remote:
         from cluster.config import load_config, resolve_model_path
-        from cluster.engine.sequence import SpecParams
+        from cluster.engine.scheduling.sequence import SpecParams
         from cluster.serve.build import build_engine
 
         cfg = load_config(args.config)

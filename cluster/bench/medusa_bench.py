@@ -26,7 +26,7 @@ from cluster.bench.workloads import code_prompts
 from cluster.config import DEMO_DIR, parse_config
 from cluster.engine.drafters.medusa import CHAIN, CONFIG_FILE, MedusaDrafter
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.sequence import SpecParams
 from cluster.serve.build import build_engine
 
 

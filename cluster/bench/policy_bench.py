@@ -34,7 +34,7 @@ from cluster.bench.policies import BASELINES, POLICIES, policy_config, requests
 from cluster.bench.report import figure, write_json
 from cluster.config import parse_config
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.sequence import SpecParams
 from cluster.serve.build import build_engine
 
 

@@ -70,7 +70,7 @@ def main(args) -> int:
     from cluster.client import Client
     from cluster.config import parse_config
     from cluster.engine.sampling import SamplingParams
-    from cluster.engine.sequence import SpecParams
+    from cluster.engine.scheduling.sequence import SpecParams
     from cluster.serve.build import build_engine
     from cluster.serve.launch import run_app, start_serve
 

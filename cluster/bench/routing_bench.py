@@ -215,7 +215,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import ray
-    from cluster.engine.loader import load_tokenizer
+    from cluster.engine.worker.loader import load_tokenizer
 
     from cluster.kvdir.embedded import free_port, start_local_server
     from cluster.serve.launch import shutdown, start_serve

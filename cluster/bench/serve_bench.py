@@ -43,7 +43,7 @@ def _measure(gen_fn, prompts, repeats: int) -> dict:
 
 def local(prompts, args) -> dict:
     from cluster.engine.sampling import SamplingParams
-    from cluster.engine.sequence import SpecParams
+    from cluster.engine.scheduling.sequence import SpecParams
     from cluster.serve.build import build_engine
 
     import torch

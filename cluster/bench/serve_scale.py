@@ -119,7 +119,7 @@ def requests_at(c: int) -> int:
 def in_process(results: dict, tok) -> None:
     from cluster.bench.load import run_engine
     from cluster.config import parse_config
-    from cluster.engine.sequence import SpecParams
+    from cluster.engine.scheduling.sequence import SpecParams
     from cluster.serve.build import build_engine
 
     engine = build_engine(parse_config(CONFIG))
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         COMMAND = "spec-cluster bench serve-scale " + " ".join(argv)
 
     from cluster.config import resolve_model_path
-    from cluster.engine.loader import load_tokenizer
+    from cluster.engine.worker.loader import load_tokenizer
 
     tok = load_tokenizer(resolve_model_path("demo-target"))
     results: dict = {}

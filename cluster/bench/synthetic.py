@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig
 
-from cluster.engine.embedded import LLAMA_8B, random_model
-from cluster.engine.model import CausalLM
+from cluster.engine.worker.embedded import LLAMA_8B, random_model
+from cluster.engine.worker.model import CausalLM
 
 
 def random_llama(layers: int | None = None, device: str = "cuda", dtype=torch.bfloat16, seed: int = 0) -> CausalLM:

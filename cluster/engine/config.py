@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class EngineConfig(BaseModel):
@@ -54,16 +54,16 @@ class EngineConfig(BaseModel):
     overlays mount it from a volume). null: the libraries' own places, without tuning results."""
     tensor_parallel_size: int = Field(1, ge=1)
     """Ranks (GPUs of one node) a verifier's target is split over: heads, MLP features and the
-    vocabulary (cluster.engine.sharding). Attention heads must divide by it, and KV heads
+    vocabulary (cluster.engine.worker.sharding). Attention heads must divide by it, and KV heads
     divide by it or it by them. 1: one process, no collectives."""
     draft_look_ahead: bool = True
     """A model drafter on a GPU drafts the next step while the target verifies, guessing
     every draft is accepted; a right guess saves that step's drafting. Remote drafters look
     ahead while the waits their hits save outweigh the waits their misses cost
-    (cluster/engine/drafting.py). false turns both off."""
+    (cluster/engine/spec/drafting.py). false turns both off."""
     mixed_prefill: bool = False
     """Run prompts' prefill chunks in the same pass as the decoding rows' verify rows, each
-    padded to its own width (cluster/engine/mixed.py), instead of a prefill step during
+    padded to its own width (cluster/engine/worker/mixed.py), instead of a prefill step during
     which every decoding sequence waits. The verify rows take the step's token budget first,
     the chunks what is left. Such a pass runs eager (no CUDA graph), and a tensor-parallel
     target keeps separate steps. Off by default: what it does to speed on a GPU has not been
@@ -74,20 +74,11 @@ class EngineConfig(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", exclude=True)
     """Set from models.dtype: weights and activations."""
     attention: str = Field("auto", exclude=True)
-    """Set from models.attention: a backend of cluster.engine.attention.BACKENDS."""
+    """Set from models.attention: a backend of cluster.engine.worker.attention.BACKENDS."""
     gamma: int = Field(4, ge=0, exclude=True)
     """Set from speculation.gamma: draft tokens for 'auto' requests when no controller is set."""
     gamma_max: int = Field(8, ge=0, exclude=True)
     """Set from speculation.gamma_max: the longest draft a step verifies (sizes graphs and slots)."""
-
-    @field_validator("attention")
-    @classmethod
-    def _known_backend(cls, v: str) -> str:
-        from cluster.engine.attention import BACKENDS
-
-        if v not in BACKENDS:
-            raise ValueError(f"attention backend must be one of {', '.join(BACKENDS)}, got {v!r}")
-        return v
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -5,7 +5,7 @@
 Each verify row is [last token, d_1 .. d_g]; the target's logits at those g+1 positions
 decide, by rejection sampling, how many drafts stand and which token follows. The sequence
 then keeps KV for the accepted tokens only: rolling back rejected drafts is moving a length
-(and giving back the blocks past it, cluster.engine.scheduler).
+(and giving back the blocks past it, cluster.engine.scheduling.scheduler).
 """
 
 from __future__ import annotations
@@ -18,31 +18,31 @@ from pathlib import Path
 
 import torch
 
-from cluster.engine import fp8
-from cluster.engine.acceptance import Accepted, accept
-from cluster.engine.attention import make_backend
-from cluster.engine.aux_hidden import accepted_rows, keep_aux
+from cluster.engine.worker import fp8
+from cluster.engine.spec.acceptance import Accepted, accept
+from cluster.engine.worker.attention import make_backend
+from cluster.engine.spec.aux_hidden import accepted_rows, keep_aux
 from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.base import Drafter, DraftOutput
-from cluster.engine.drafting import DraftPlanner
+from cluster.engine.spec.drafting import DraftPlanner
 from cluster.engine.generate import run_to_completion
-from cluster.engine.hashing import model_seed
-from cluster.engine.kv_cache import KVCache
-from cluster.engine.loader import DTYPES  # noqa: F401 - re-exported (serve/build)
+from cluster.engine.scheduling.hashing import model_seed
+from cluster.engine.scheduling.kv_cache import KVCache
+from cluster.engine.worker.loader import DTYPES  # noqa: F401 - re-exported (serve/build)
 from cluster.engine.logprobs import accepted_logprobs
-from cluster.engine.memory import num_kv_blocks
-from cluster.engine.mixed import MixedSteps
-from cluster.engine.model import CausalLM, compile_kernels
+from cluster.engine.worker.memory import num_kv_blocks
+from cluster.engine.worker.mixed import MixedSteps
+from cluster.engine.worker.model import CausalLM, compile_kernels
 from cluster.engine.observation import StepObservation, observation
-from cluster.engine.pipeline import DecodePipeline
-from cluster.engine.ranks import ParallelRunner
+from cluster.engine.worker.pipeline import DecodePipeline
+from cluster.engine.distributed.ranks import ParallelRunner
 from cluster.engine.requests import RequestLimits, validate_request
-from cluster.engine.runner import Runner
+from cluster.engine.worker.runner import Runner
 from cluster.engine.sampling import InvalidRequest, SamplingParams
-from cluster.engine.scheduler import Scheduler
-from cluster.engine.sequence import RequestOutput, Sequence, SpecParams
+from cluster.engine.scheduling.scheduler import Scheduler
+from cluster.engine.scheduling.sequence import RequestOutput, Sequence, SpecParams
 from cluster.engine.stopping import Detokenizer
-from cluster.engine.tree import keep_path
+from cluster.engine.worker.tree import keep_path
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class Engine:
         if cfg.compile and p.device.type == "cuda":
             compile_kernels(cfg.compile_cache_dir)
         # positions a row can address: spare ones past max_model_len take the padded writes of
-        # a step's short rows (cluster.engine.kv_cache), and one more a step launched ahead
+        # a step's short rows (cluster.engine.scheduling.kv_cache), and one more a step launched ahead
         max_tokens = self.max_model_len + max(cfg.prefill_chunk, cfg.gamma_max + 1) + 1
         kv_dtype = fp8.FP8 if cfg.kv_cache_dtype == "fp8" else p.dtype
         blocks = num_kv_blocks(model, cfg, kv_dtype, max_tokens)
@@ -108,7 +108,7 @@ class Engine:
         self.on_verify: Callable[[object], None] | None = None  # StepObservation hook (metrics, autoscaling)
         self._ids = itertools.count()
         self._last_end: float | None = None  # end of the previous step, if it was a verify step
-        # seconds waiting for drafts / in verify passes (with acceptance) / in mixed ones (cluster.engine.mixed);
+        # seconds waiting for drafts / in verify passes (with acceptance) / in mixed ones (cluster.engine.worker.mixed);
         # requests that ended by finishing (eos, stop, length) / by abort (the caller left)
         self.totals = {"steps": 0, "prefill_steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0, "finished": 0, "aborted": 0,
                        "draft_s": 0.0, "verify_s": 0.0, "mixed_steps": 0, "mixed_s": 0.0}
@@ -176,7 +176,7 @@ class Engine:
         self.totals["steps"] += 1
         rows, chunks = self.mixer.schedule() if self.mixer is not None else (None, self.scheduler.schedule_prefill())
         obs = None
-        if chunks and rows:  # one pass for both (cluster.engine.mixed)
+        if chunks and rows:  # one pass for both (cluster.engine.worker.mixed)
             touched, obs = self.mixer.run(rows, chunks)
         elif chunks:  # prompts only: every decoding row waits a step (unless mixed_prefill)
             self.totals["prefill_steps"] += 1
@@ -291,7 +291,7 @@ class Engine:
         return sum(len(r.graphs.graphs) for r in runners if getattr(r, "graphs", None) is not None)
 
     def _pipelined(self, seqs: list[Sequence], drafts: DraftOutput) -> bool:
-        """Greedy plain decoding on CUDA graphs runs a step ahead (cluster.engine.pipeline);
+        """Greedy plain decoding on CUDA graphs runs a step ahead (cluster.engine.worker.pipeline);
         not where a drafter reads the target's hidden states, which that path skips."""
         return (self.pipeline is not None and not any(drafts.tokens) and self.pipeline.eligible(seqs)
                 and not any(d.reads_hidden for d in self.drafters.values())

@@ -58,7 +58,7 @@ def emitted_logprobs(logits: torch.Tensor, wants: list[int | None], tokens: list
 def accepted_logprobs(wants: list[int | None], logits: torch.Tensor, result) -> list | None:
     """Each row's emitted tokens' log-probabilities where its request asked (`wants[b]`: its
     alternatives, None: not asked), from a verify pass's logits and its acceptance
-    (cluster.engine.acceptance.Accepted): token i was drawn at the feed position after
+    (cluster.engine.spec.acceptance.Accepted): token i was drawn at the feed position after
     accepted node i-1 (the root for i = 0), for chains and trees alike."""
     if all(k is None for k in wants):
         return None

@@ -19,7 +19,7 @@ class StepObservation:
     drafted: int  # draft tokens proposed in total (sum of gamma_i)
     accepted_per_position: list[int] = field(default_factory=list)  # [j]: seqs accepting j
     proposed_per_position: list[int] = field(default_factory=list)  # [j]: seqs proposing j
-    # A plain step launched while the one before it ran (cluster.engine.pipeline): its cost
+    # A plain step launched while the one before it ran (cluster.engine.worker.pipeline): its cost
     # is what plain decoding costs once sustained, less than a lone plain step's.
     pipelined: bool = False
     # Wall seconds of the whole step as the engine loop lives it: from the end of the step
@@ -28,7 +28,7 @@ class StepObservation:
     # adds to a speculative one; what throughput is made of. 0: not measured.
     step_s: float = 0.0
     captured: bool = False  # the step captured a CUDA graph: its time is not a step's cost
-    # prompt tokens prefilled in the same pass (a mixed step, cluster.engine.mixed): verify_s
+    # prompt tokens prefilled in the same pass (a mixed step, cluster.engine.worker.mixed): verify_s
     # and step_s include their cost, so the step's time is not what speculating costs
     prefill_tokens: int = 0
 

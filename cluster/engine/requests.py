@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from cluster.engine.drafters.registry import DRAFTERS
 from cluster.engine.sampling import InvalidRequest, SamplingParams
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.sequence import SpecParams
 
 SPEC_MODES = ("auto", "off", "fixed")
 

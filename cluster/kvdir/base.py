@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 class KVDirectory(abc.ABC):
-    """Which replica holds which chained block hashes (`cluster.engine.hashing`)."""
+    """Which replica holds which chained block hashes (`cluster.engine.scheduling.hashing`)."""
 
     @abc.abstractmethod
     async def publish(

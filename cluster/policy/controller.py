@@ -200,7 +200,7 @@ class GoodputController(_Base):
 
     def _charged(self, steps: int) -> None:
         """A probe starts: charge its steps, and after a probe from plain decoding run ahead
-        the two steps that restart the pipeline (cluster.engine.pipeline)."""
+        the two steps that restart the pipeline (cluster.engine.worker.pipeline)."""
         self._charge = steps + (2 if self.plain_runs_ahead and not self._last else 0)
         self._probes += 1
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from cluster.engine.requests import SPEC_MODES, RequestLimits, validate_request
 from cluster.engine.sampling import InvalidRequest, SamplingParams
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.sequence import SpecParams
 from cluster.serve.calls import ErrorKind, GenerateCall, RequestError
 
 if TYPE_CHECKING:

@@ -23,9 +23,9 @@ from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.drafters.registry import DRAFTERS
 from cluster.engine.engine import DTYPES, Engine
-from cluster.engine.loader import load_model, load_tokenizer
-from cluster.engine.model import CausalLM, compile_kernels
-from cluster.engine.ranks import start_ranks
+from cluster.engine.worker.loader import load_model, load_tokenizer
+from cluster.engine.worker.model import CausalLM, compile_kernels
+from cluster.engine.distributed.ranks import start_ranks
 
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def build_eagle3_drafter(cfg: ClusterConfig, target: CausalLM | None = None) -> 
     """The EAGLE-3 head over `target` (sharing its embedding), or, in a drafter replica
     (target None) or over a tensor-parallel rank 0, with the target's whole embedding read
     from its files."""
-    from cluster.engine.loader import load_model
+    from cluster.engine.worker.loader import load_model
 
     ec = cfg.engine_config()
     path, target_dir = eagle3_dir(cfg), resolve_model_path(cfg.models.target)
@@ -102,7 +102,7 @@ def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
     # max_len (ModelDrafter.propose), so the cap costs speculation on the tokens past 2048 of
     # long sequences only; short and medium ones, where most tokens are, draft as before. The
     # demo and test configs (max_model_len <= 1024) are unchanged by it. Colocated on a GPU,
-    # the target's KV pool is sized after this one exists (cluster.engine.memory), so it
+    # the target's KV pool is sized after this one exists (cluster.engine.worker.memory), so it
     # comes out of the verifier's pool.
     return ModelDrafter(model, num_slots=2 * ec.max_num_seqs, max_len=min(ec.max_model_len, DRAFT_MAX_LEN),
                         look_ahead="auto" if ec.draft_look_ahead else None)
@@ -120,13 +120,13 @@ def build_engine(cfg: ClusterConfig, remote: Drafter | dict[str, Drafter] | None
     ec = cfg.engine_config()
     remote = {remote.name: remote} if isinstance(remote, Drafter) else dict(remote or {})
     target = resolve_model_path(cfg.models.target)
-    # tensor-parallel: this process is rank 0 and starts the others (cluster.engine.ranks)
+    # tensor-parallel: this process is rank 0 and starts the others (cluster.engine.distributed.ranks)
     group = start(str(target), ec) if ec.tensor_parallel_size > 1 else None
     model = load_model(target, DTYPES[ec.dtype], ec.device if group is None else group.device, group)
     drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
     if cfg.models.draft:
         drafters["model"] = remote.get("model") or build_model_drafter(cfg)
-    if eagle3_dir(cfg):  # under tensor parallelism rank 0 captures the aux states (cluster.engine.ranks)
+    if eagle3_dir(cfg):  # under tensor parallelism rank 0 captures the aux states (cluster.engine.distributed.ranks)
         if "eagle3" in remote:  # its aux layers decide what the target's passes capture
             remote["eagle3"].aux_layers = eagle3_aux_layers(cfg, model.shape.layers)
         drafters["eagle3"] = remote.get("eagle3") or build_eagle3_drafter(cfg, model)

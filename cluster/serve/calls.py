@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from cluster.engine.sampling import SamplingParams
-    from cluster.engine.sequence import SpecParams
+    from cluster.engine.scheduling.sequence import SpecParams
 
 log = logging.getLogger(__name__)
 

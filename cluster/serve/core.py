@@ -28,11 +28,11 @@ import zmq
 from cluster.engine.engine import Engine
 from cluster.engine.logprobs import TokenLogprob
 from cluster.engine.observation import StepObservation
-from cluster.engine.parallel import RankFailure
+from cluster.engine.distributed.parallel import RankFailure
 from cluster.engine.requests import RequestLimits
 from cluster.engine.sampling import InvalidRequest, SamplingParams
-from cluster.engine.scheduler import QueueFull
-from cluster.engine.sequence import RequestOutput, SpecParams
+from cluster.engine.scheduling.scheduler import QueueFull
+from cluster.engine.scheduling.sequence import RequestOutput, SpecParams
 
 log = logging.getLogger(__name__)
 IDLE_POLL_MS = 50  # an idle core wakes this often (remote drafters flush their releases)

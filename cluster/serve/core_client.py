@@ -20,10 +20,10 @@ from typing import Callable
 
 import zmq
 
-from cluster.engine.parallel import RankFailure
+from cluster.engine.distributed.parallel import RankFailure
 from cluster.engine.requests import validate_request
 from cluster.engine.sampling import InvalidRequest
-from cluster.engine.scheduler import QueueFull
+from cluster.engine.scheduling.scheduler import QueueFull
 from cluster.serve.core import decode_observation, decode_output, encode_add, limits_of, pack, unpack
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ restarts and scales the replica's N devices as one unit. The replica actor is ra
 sits in bundle 0 (Serve's rule: bundle 0 holds the replica's own resources); ranks 1..N-1
 are Ray actors in bundles 1..N-1, as vLLM's Ray executor places its workers. They are
 owned by the replica, so Ray ends them when the replica goes, however it goes; without
-Ray (`generate --local`) cluster.engine.ranks spawns child processes instead.
+Ray (`generate --local`) cluster.engine.distributed.ranks spawns child processes instead.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def placement_options(cfg) -> dict:
 
 @ray.remote(max_concurrency=2)  # where() answers while follow() runs
 class Follower:
-    """One follower rank's process: cluster.engine.ranks.follow for its whole life."""
+    """One follower rank's process: cluster.engine.distributed.ranks.follow for its whole life."""
 
     def where(self) -> dict:
         """Its process, node and placement group (for operators and tests)."""
@@ -52,13 +52,13 @@ class Follower:
                 "placement_group_id": pg.id.hex() if pg else None}
 
     def follow(self, rank: int, size: int, addr: str, port: int, target: str, cfg, step_timeout_s: float) -> None:
-        from cluster.engine.ranks import follow
+        from cluster.engine.distributed.ranks import follow
 
         follow(rank, size, port, target, cfg, step_timeout_s, addr)
 
 
 class FollowerHandle:
-    """A follower actor seen as cluster.engine.ranks expects a rank's process."""
+    """A follower actor seen as cluster.engine.distributed.ranks expects a rank's process."""
 
     def __init__(self, actor, rank: int):
         self.actor, self.rank = actor, rank
@@ -90,7 +90,7 @@ class FollowerHandle:
 
 
 def launch(rank: int, size: int, addr: str, port: int, target: str, cfg, step_timeout_s: float) -> FollowerHandle:
-    """cluster.engine.ranks launcher: rank `rank` as a Follower actor in bundle `rank` of this
+    """cluster.engine.distributed.ranks launcher: rank `rank` as a Follower actor in bundle `rank` of this
     replica's placement group (or, outside one, wherever Ray places one device's worth)."""
     pg = get_current_placement_group()
     opts = {"num_gpus": 1, "num_cpus": 1} if cfg.device == "cuda" else {"num_cpus": 1}
@@ -107,6 +107,6 @@ def launch(rank: int, size: int, addr: str, port: int, target: str, cfg, step_ti
 def start_followers(target: str, cfg):
     """Rank 0's group for this replica: the followers in its placement group, the rendezvous
     on the node's IP as Ray reports it (STRICT_PACK keeps every rank on this node)."""
-    from cluster.engine.ranks import start_ranks
+    from cluster.engine.distributed.ranks import start_ranks
 
     return start_ranks(target, cfg, launch=launch, addr=ray.util.get_node_ip_address())

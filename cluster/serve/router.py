@@ -77,7 +77,7 @@ def _set_status(grpc_context, e: RequestError) -> None:
 class Router(OpenAIRoutes):
     def __init__(self, config: dict, verifier, board=None):
         from cluster.config import ClusterConfig, resolve_model_path
-        from cluster.engine.loader import load_tokenizer
+        from cluster.engine.worker.loader import load_tokenizer
 
         self.cfg = ClusterConfig.model_validate(config)
         self.verifier, self.board = verifier, board

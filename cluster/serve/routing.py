@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-from cluster.engine.hashing import block_hashes, model_seed
+from cluster.engine.scheduling.hashing import block_hashes, model_seed
 from cluster.serve.calls import GenerateCall
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ import time
 import ray
 from ray import serve
 
-from cluster.engine.parallel import RankFailure
+from cluster.engine.distributed.parallel import RankFailure
 from cluster.engine.sampling import InvalidRequest
-from cluster.engine.scheduler import QueueFull
+from cluster.engine.scheduling.scheduler import QueueFull
 from cluster.policy.autoscaling import VerifyLoadMeter
 from cluster.serve.calls import ErrorKind, ErrorOutput, GenerateCall
 from cluster.serve.core_client import CoreGone

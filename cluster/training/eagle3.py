@@ -33,8 +33,8 @@ from tqdm.auto import tqdm
 
 from cluster.engine.drafters.eagle3_head import Eagle3Head, HeadConfig
 from cluster.engine.drafters.eagle3_load import default_aux_layers, load_head, save_head
-from cluster.engine.kv_cache import KVCache
-from cluster.engine.runner import Runner
+from cluster.engine.scheduling.kv_cache import KVCache
+from cluster.engine.worker.runner import Runner
 from cluster.training.medusa import DEMO_TARGET, continuations, frozen_target, prompt_windows
 
 OUT_DIR = "eagle3"  # beside the target (cluster.serve.build.EAGLE3_DIR)

@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from cluster.engine.kv_cache import KVCache
+from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.engine.drafters.medusa import CONFIG_FILE, MedusaHeads, sparse_tree
-from cluster.engine.loader import load_model, load_tokenizer
-from cluster.engine.runner import Runner
+from cluster.engine.worker.loader import load_model, load_tokenizer
+from cluster.engine.worker.runner import Runner
 
 DEMO_TARGET = Path(__file__).resolve().parents[1] / "models" / "demo" / "target"
 TOPK = 5  # ranks per head measured (and offered to the tree)

@@ -18,7 +18,7 @@ def test_trace_masking_keeps_shape_not_words(tmp_path):
 
 def test_run_engine_keeps_concurrency_and_summarises(demo_pair):
     from cluster.config import parse_config
-    from cluster.engine.sequence import SpecParams
+    from cluster.engine.scheduling.sequence import SpecParams
     from cluster.serve.build import build_engine
 
     engine = build_engine(parse_config({"engine": {"max_num_seqs": 4}}))

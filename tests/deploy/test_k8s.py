@@ -238,7 +238,7 @@ def test_hopper_70b_pods_hold_the_gpus_of_one_verifier_replica():
     assert v2 == yaml.safe_load(generate("configs/hopper-70b.yaml", overrides=K8S_NETWORK))
     cluster = v2["applications"][0]["args"]["cluster"]
     tp = cluster["engine"]["tensor_parallel_size"]
-    assert tp == 8 and cluster["engine"]["kv_cache_gb"]  # required per rank on GPUs (cluster/engine/memory.py)
+    assert tp == 8 and cluster["engine"]["kv_cache_gb"]  # required per rank on GPUs (cluster/engine/worker/memory.py)
     entries = {d["name"]: d for d in v2["applications"][0]["deployments"]}
     verifier = entries["Verifier"]
     bundles = verifier["placement_group_bundles"]

@@ -1,4 +1,4 @@
-"""fused_linear (cluster/engine/gemv.py: the one-row GEMV and the 2..16-row tensor-core kernel)
+"""fused_linear (cluster/engine/worker/gemv.py: the one-row GEMV and the 2..16-row tensor-core kernel)
 against the eager composition in model.py, on CPU through Triton's interpreter: 1 and 5 rows,
 every prologue, with and without bias and residual; 2 and 16 rows of different scales; 5 and
 16 rows with K split in two (GEMV_SPLIT_K). Run by tests/engine/test_gemv.py in a process of its own, since
@@ -74,7 +74,7 @@ def main() -> int:
     numpy24_index()
     if not interpreter_works():
         return 77
-    from cluster.engine import gemv, model
+    from cluster.engine.worker import gemv, model
 
     assert len(gemv._gemv.configs) == 1
     cases = 0

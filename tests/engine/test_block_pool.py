@@ -1,9 +1,9 @@
-"""Block accounting of the paged KV cache (cluster.engine.block_pool), on its own."""
+"""Block accounting of the paged KV cache (cluster.engine.scheduling.block_pool), on its own."""
 
 import pytest
 
-from cluster.engine.block_pool import BlockPool, BlockTable, OutOfBlocks
-from cluster.engine.hashing import block_hashes
+from cluster.engine.scheduling.block_pool import BlockPool, BlockTable, OutOfBlocks
+from cluster.engine.scheduling.hashing import block_hashes
 
 
 def pool(n=8, bs=4):

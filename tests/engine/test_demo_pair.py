@@ -9,7 +9,7 @@ import pytest
 from cluster.bench.workloads import code_prompts
 from cluster.config import parse_config
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.sequence import SpecParams
 from cluster.serve.build import build_engine
 
 

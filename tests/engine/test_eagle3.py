@@ -12,9 +12,9 @@ from cluster.engine.drafters.base import DraftRequest
 from cluster.engine.drafters.eagle3 import Eagle3Drafter
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.loader import load_model
+from cluster.engine.worker.loader import load_model
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.sequence import SpecParams
 from tests.engine.eagle3_factory import random_head
 
 PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "z", "the quick brown fox " * 6]
@@ -158,8 +158,8 @@ def test_sampled_speculation_keeps_the_target_distribution(engine):
 
 
 def _last_hidden(engine, ids):
-    from cluster.engine.kv_cache import KVCache
-    from cluster.engine.runner import Runner
+    from cluster.engine.scheduling.kv_cache import KVCache
+    from cluster.engine.worker.runner import Runner
 
     s = engine.model.shape
     kv = KVCache.dense(s.layers, 1, len(ids) + 1, s.kv_heads, s.head_dim, torch.float32, "cpu")

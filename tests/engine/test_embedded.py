@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine.embedded import embed_llama
+from cluster.engine.worker.embedded import embed_llama
 from cluster.engine.engine import Engine
-from cluster.engine.kv_cache import KVCache
-from cluster.engine.loader import load_model
-from cluster.engine.runner import Runner
+from cluster.engine.scheduling.kv_cache import KVCache
+from cluster.engine.worker.loader import load_model
+from cluster.engine.worker.runner import Runner
 from cluster.engine.sampling import SamplingParams
 from cluster.engine.config import EngineConfig
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.sequence import SpecParams
 
 # a small stand-in for the 8B shape: wider, deeper, more heads, wider heads, more vocabulary
 BIG = dict(vocab_size=5000, hidden_size=512, num_hidden_layers=9, num_attention_heads=32,
@@ -71,7 +71,7 @@ def test_embed_json_directory_loads_through_load_model(demo_pair, tmp_path):
 def test_embedded_model_directory_uses_its_sources_tokenizer():
     """demo-8b-* hold only embed.json: the tokenizer is the demo pair's, read through it."""
     from cluster.config import resolve_model_path
-    from cluster.engine.loader import load_tokenizer
+    from cluster.engine.worker.loader import load_tokenizer
 
     text = "def fibonacci(n):\n    return n"
     big = load_tokenizer(resolve_model_path("demo-8b-target"))
@@ -86,8 +86,8 @@ def test_demo_70b_target_is_the_demo_target_in_llama_70b_dimensions():
     from pathlib import Path
 
     from cluster.config import resolve_model_path
-    from cluster.engine.embedded import SHAPES
-    from cluster.engine.loader import load_tokenizer
+    from cluster.engine.worker.embedded import SHAPES
+    from cluster.engine.worker.loader import load_tokenizer
 
     path = Path(resolve_model_path("demo-70b-target"))
     spec = json.loads((path / "embed.json").read_text())
@@ -119,11 +119,11 @@ def test_demo_70b_construction_keeps_the_demo_logits_at_reduced_size(demo_pair, 
 @pytest.mark.parametrize("size", [2, 4])
 def test_each_rank_builds_its_slice_of_the_embedded_model(demo_pair, size):
     """A tensor-parallel rank's embedded model is exactly its checkpoint slice
-    (cluster.engine.sharding) of the one-process model: a real layer, a padding layer, the
+    (cluster.engine.worker.sharding) of the one-process model: a real layer, a padding layer, the
     vocabulary-split embedding and head (the last slice zero-padded), the replicated norm."""
-    from cluster.engine.embedded import embed_llama_shard, hf_layer_weights
-    from cluster.engine.parallel import Group
-    from cluster.engine.sharding import local_shape, take, weight_slice
+    from cluster.engine.worker.embedded import embed_llama_shard, hf_layer_weights
+    from cluster.engine.distributed.parallel import Group
+    from cluster.engine.worker.sharding import local_shape, take, weight_slice
 
     small = load_model(demo_pair[0], torch.float32, "cpu")
     full = embed_llama(small, BIG, "cpu", torch.float32)

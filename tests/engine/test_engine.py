@@ -8,10 +8,10 @@ import torch
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.loader import load_model
+from cluster.engine.worker.loader import load_model
 from cluster.engine.sampling import InvalidRequest, SamplingParams
 from cluster.engine.config import EngineConfig
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.sequence import SpecParams
 from tests.factories import step_observation
 
 PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "z", "the quick brown fox " * 6]
@@ -249,7 +249,7 @@ def test_gated_look_ahead_turns_off_when_misses_wait(random_models, tokenizer, b
 def test_gated_look_ahead_rule():
     """On at the H100's measured batch-1 figures (0.375 hits, a 3.1 ms fresh call, guessed
     replies back before the verify ends); off when a miss waits longer than hits save."""
-    from cluster.engine.drafting import DraftPlanner
+    from cluster.engine.spec.drafting import DraftPlanner
 
     p = DraftPlanner({}, None)
     p.hit_rate["d"], p.fresh_s["d"], p.wasted_s["d"] = 0.375, 3.1e-3, 0.0
@@ -385,7 +385,7 @@ def test_model_drafter_greedy_chain_is_the_draft_models_own_greedy_text(random_m
 def test_preemption_never_changes_a_token(engine, random_models, tokenizer, temperature, spec):
     """A pool too small for the batch preempts sequences and recomputes them later: greedy and
     seeded sampled outputs are what they are with room for everyone; nothing leaks."""
-    from cluster.engine.kv_cache import block_bytes
+    from cluster.engine.scheduling.kv_cache import block_bytes
 
     prompts = PROMPTS * 3
     params = [SamplingParams(max_tokens=40, ignore_eos=True, temperature=temperature, seed=i) for i in range(len(prompts))]

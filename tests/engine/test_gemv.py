@@ -1,4 +1,4 @@
-"""The GEMV kernels (cluster/engine/gemv.py) match the eager composition, on CPU through
+"""The GEMV kernels (cluster/engine/worker/gemv.py) match the eager composition, on CPU through
 Triton's interpreter (tests/engine/gemv_check.py)."""
 
 import pytest

@@ -7,7 +7,7 @@ import random
 
 import numpy as np
 
-from cluster.engine.graphs import fill_inputs
+from cluster.engine.worker.graphs import fill_inputs
 
 
 def test_fill_inputs_lays_out_ids_rows_and_lengths():

@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cluster.engine.kv_cache import KVCache
-from cluster.engine.loader import load_model
-from cluster.engine.runner import Runner
+from cluster.engine.scheduling.kv_cache import KVCache
+from cluster.engine.worker.loader import load_model
+from cluster.engine.worker.runner import Runner
 
 
 def _setup(path):

@@ -1,4 +1,4 @@
-"""The paged-attention kernel (cluster/engine/paged_attention.py) against a float64
+"""The paged-attention kernel (cluster/engine/worker/paged_attention.py) against a float64
 reference, on CPU through Triton's interpreter (tests/engine/paged_attention_check.py): decode,
 verify and prefill widths, grouped-query heads, key splits, an fp8 cache, rows out of order;
 and its fused key/value write against writes through slots computed in PyTorch."""

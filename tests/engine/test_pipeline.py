@@ -1,22 +1,22 @@
-"""Greedy decoding a step ahead (cluster.engine.pipeline) gives the tokens of plain stepping,
+"""Greedy decoding a step ahead (cluster.engine.worker.pipeline) gives the tokens of plain stepping,
 through finishes by EOS, stop strings and length, aborts, late arrivals and mixed batches.
 
 The pipelined engine runs the real GraphRunner and DecodePipeline with the CPU stand-in for
-CUDA graphs (cluster.engine.capture.eager_on_cpu): only the capture and replay calls are
+CUDA graphs (cluster.engine.worker.capture.eager_on_cpu): only the capture and replay calls are
 eager, so the classes' signatures and bookkeeping are what the GPU runs.
 """
 
 import pytest
 import torch
 
-from cluster.engine.capture import eager_on_cpu
+from cluster.engine.worker.capture import eager_on_cpu
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.loader import load_model
+from cluster.engine.worker.loader import load_model
 from cluster.engine.sampling import SamplingParams
 from cluster.engine.config import EngineConfig
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.sequence import SpecParams
 
 
 def make_engine(random_models, tokenizer, pipelined: bool) -> Engine:

@@ -20,12 +20,12 @@ from cluster.engine.drafters.early_exit import EarlyExitDrafter
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.loader import load_model
-from cluster.engine.model import ModelShape
-from cluster.engine.ranks import start_ranks
+from cluster.engine.worker.loader import load_model
+from cluster.engine.worker.model import ModelShape
+from cluster.engine.distributed.ranks import start_ranks
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.sequence import SpecParams
-from cluster.engine.sharding import kv_heads_of, local_shape, take, vocab_rows, weight_slice
+from cluster.engine.scheduling.sequence import SpecParams
+from cluster.engine.worker.sharding import kv_heads_of, local_shape, take, vocab_rows, weight_slice
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "z", "the quick brown fox " * 6]
@@ -141,7 +141,7 @@ def test_vocab_slices_pad_the_last_rank():
 def test_shapes_that_do_not_split_are_refused(random_models, size, heads, kv):
     from dataclasses import replace
 
-    from cluster.engine.sharding import check
+    from cluster.engine.worker.sharding import check
 
     shape = replace(_shape(random_models["llama"]), heads=heads, kv_heads=kv)
     if heads % size == 0 and (kv % size == 0 if kv >= size else size % kv == 0):
@@ -252,7 +252,7 @@ def test_cli_local_starts_the_ranks_itself(demo_pair, tmp_path):
 def test_an_embedded_target_splits_like_a_checkpoint(demo_pair, tmp_path):
     """An embedded target (embed.json: the demo target in a larger shape, here padded to a
     vocabulary that does not split evenly) over 2 ranks, each building only its slices
-    (cluster.engine.embedded.embed_llama_shard): the one-process greedy tokens, plain and
+    (cluster.engine.worker.embedded.embed_llama_shard): the one-process greedy tokens, plain and
     with speculation, through `generate --local`."""
     target = tmp_path / "embedded"
     target.mkdir()

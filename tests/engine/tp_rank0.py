@@ -27,10 +27,10 @@ import torch
 from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.loader import load_model
-from cluster.engine.ranks import follow, start_ranks
+from cluster.engine.worker.loader import load_model
+from cluster.engine.distributed.ranks import follow, start_ranks
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.sequence import SpecParams
 from tests.engine.conftest import CharTokenizer
 
 PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "the quick brown fox " * 6]
@@ -58,12 +58,12 @@ def fp8_engine(target: str, draft: str | None, tp: int, launch=None) -> Engine:
 
 
 def follow_saving_scales(out: str, *args) -> None:
-    """A follower (cluster.engine.ranks.follow) that saves its fp8 scales to `out` after STOP."""
+    """A follower (cluster.engine.distributed.ranks.follow) that saves its fp8 scales to `out` after STOP."""
     torch.save(follow(*args).scales, out)
 
 
 def saving_launcher(out_dir: str):
-    """A ranks launcher (as cluster.engine.ranks.spawn) whose followers save their scales in out_dir."""
+    """A ranks launcher (as cluster.engine.distributed.ranks.spawn) whose followers save their scales in out_dir."""
     def launch(rank, size, addr, port, target, cfg, step_timeout_s):
         ctx = torch.multiprocessing.get_context("spawn")
         p = ctx.Process(target=follow_saving_scales, daemon=True, name=f"tp-rank-{rank}",

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from cluster.engine.hashing import block_hashes, model_seed
+from cluster.engine.scheduling.hashing import block_hashes, model_seed
 from cluster.kvdir import BlockPublisher, MemoryDirectory, make_directory
 
 H = block_hashes(list(range(16 * 8)), 16, model_seed("test-model"))

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cluster.engine.hashing import block_hashes, model_seed
+from cluster.engine.scheduling.hashing import block_hashes, model_seed
 from cluster.kvdir import BlockPublisher, make_directory
 from cluster.kvdir.embedded import free_port, start_local_server
 

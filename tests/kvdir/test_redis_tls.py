@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from cluster.engine.hashing import block_hashes, model_seed
+from cluster.engine.scheduling.hashing import block_hashes, model_seed
 from cluster.kvdir import make_directory
 from cluster.kvdir.embedded import start_local_server
 

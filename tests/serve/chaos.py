@@ -108,7 +108,7 @@ def plain_tokens(prompts: list[str], max_tokens: int, engine: dict) -> list[list
     the tokens a fault must not change."""
     from cluster.config import parse_config
     from cluster.engine.sampling import SamplingParams
-    from cluster.engine.sequence import SpecParams
+    from cluster.engine.scheduling.sequence import SpecParams
     from cluster.serve.build import build_engine
 
     out = build_engine(parse_config({"engine": engine})).generate(prompts, SamplingParams(max_tokens=max_tokens),

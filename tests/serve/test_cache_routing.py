@@ -21,7 +21,7 @@ import redis
 
 from cluster.client import Client
 from cluster.config import parse_config
-from cluster.engine.hashing import block_hashes, model_seed
+from cluster.engine.scheduling.hashing import block_hashes, model_seed
 from cluster.kvdir import make_directory
 from cluster.kvdir.embedded import free_port, start_local_server
 

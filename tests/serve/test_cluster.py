@@ -15,7 +15,7 @@ import pytest
 from cluster.client import Client
 from cluster.config import parse_config
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.sequence import SpecParams
 from cluster.serve.build import build_engine
 from tests.conftest import HOPPER
 from tests.serve.chaos import run_concurrently, wait_until

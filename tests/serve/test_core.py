@@ -24,11 +24,11 @@ import zmq
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import Engine
-from cluster.engine.loader import load_model
-from cluster.engine.parallel import RankFailure
+from cluster.engine.worker.loader import load_model
+from cluster.engine.distributed.parallel import RankFailure
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.scheduler import QueueFull
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.scheduler import QueueFull
+from cluster.engine.scheduling.sequence import SpecParams
 from cluster.serve.core import CoreLoop, bind_pair, engine_info
 from cluster.serve.core_client import CoreClient
 from tests.engine.conftest import CharTokenizer

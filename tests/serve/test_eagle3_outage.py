@@ -12,7 +12,7 @@ import torch
 
 from cluster.engine.drafters.base import DraftRequest
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.sequence import SpecParams
+from cluster.engine.scheduling.sequence import SpecParams
 
 GREEDY = SamplingParams(max_tokens=48, ignore_eos=True)
 OUTAGE_STEPS = range(3, 9)  # engine steps (1 = the prefill) during which the replica is unreachable
@@ -27,8 +27,8 @@ def full_context_state(model, head, tokens: list[int]):
     """What an uninterrupted drafter holds at len(tokens): a fresh drafter fed the target's aux
     states of every position but the last, computed here in one target pass."""
     from cluster.engine.drafters.eagle3 import Eagle3Drafter
-    from cluster.engine.kv_cache import KVCache
-    from cluster.engine.runner import Runner
+    from cluster.engine.scheduling.kv_cache import KVCache
+    from cluster.engine.worker.runner import Runner
 
     s = model.shape
     kv = KVCache.dense(s.layers, 1, len(tokens) + 1, s.kv_heads, s.head_dim, torch.float32, "cpu")

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.sequence import RequestOutput, SpecParams
+from cluster.engine.scheduling.sequence import RequestOutput, SpecParams
 from cluster.serve.calls import ErrorKind, GenerateCall, RequestError, stream_outputs
 
 

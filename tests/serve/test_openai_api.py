@@ -134,7 +134,7 @@ def reference(demo_pair):
     """The in-process engine's greedy tokens and log-probabilities, speculation off (its
     log-probabilities equal a Hugging Face forward pass: tests/engine/test_logprobs.py)."""
     from cluster.engine.sampling import SamplingParams
-    from cluster.engine.sequence import SpecParams
+    from cluster.engine.scheduling.sequence import SpecParams
     from cluster.serve.build import build_engine
 
     engine = build_engine(parse_config({"engine": {"max_num_seqs": 4, "max_model_len": 512}}))

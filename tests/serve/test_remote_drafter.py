@@ -218,7 +218,7 @@ def test_direct_calls_send_only_new_tokens_and_resync_after_eviction(demo_pair):
     from cluster.serve.build import build_engine
     from cluster.serve.draft_rpc import DraftServer
     from cluster.serve.drafter import DrafterDeployment
-    from cluster.engine.sequence import SpecParams
+    from cluster.engine.scheduling.sequence import SpecParams
 
     torch.manual_seed(0)
     cfg = parse_config({"models": {"target": str(demo_pair[0]), "draft": str(demo_pair[1]), "device": "cpu"},
@@ -278,7 +278,7 @@ def test_eagle3_in_its_own_replica_ships_new_aux_states_only(demo_pair):
     import torch
 
     from cluster.config import parse_config
-    from cluster.engine.sequence import SpecParams
+    from cluster.engine.scheduling.sequence import SpecParams
     from cluster.serve.build import build_engine, eagle3_dir
     from cluster.serve.draft_rpc import DraftServer, encode_request
     from cluster.serve.drafter import DrafterDeployment

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from cluster.engine.sequence import RequestOutput
+from cluster.engine.scheduling.sequence import RequestOutput
 from cluster.serve.verifier import UNARY_INTERVAL_S, Verifier, _collect
 
 LONG_S = 60.0  # an interval no test may wait out: each ends within seconds or fails its timeout

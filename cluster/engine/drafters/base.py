@@ -54,7 +54,7 @@ class DraftOutput:
     q_probs: list[np.ndarray]        # per request [n, K] float32 probabilities on that support
     seconds: float = 0.0
     # per request, a tree instead of a chain: each draft's parent draft, -1 for the last
-    # accepted token (parents first; see cluster.engine.tree). None: every row is a chain.
+    # accepted token (parents first; see cluster.engine.worker.tree). None: every row is a chain.
     parents: list[list[int] | None] | None = None
     # per request, True where the drafter did not take what the request carried (a remote
     # drafter skipped while down, a replica that asked to resync): the verifier keeps those

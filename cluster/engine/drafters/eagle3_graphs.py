@@ -2,17 +2,17 @@
 
 A draft step is one layer over one token a row: launches, not math, so each batch bucket's
 step is captured once and replayed with the rows' table indices, lengths, draft tokens and
-hidden inputs copied into its static buffers (as cluster.engine.graphs does for the model
+hidden inputs copied into its static buffers (as cluster.engine.worker.graphs does for the model
 drafter's steps). Padding rows use the KV cache's scratch row. Capture and replay go through
-cluster.engine.capture (CUDA graphs, or the CPU tests' eager stand-in).
+cluster.engine.worker.capture (CUDA graphs, or the CPU tests' eager stand-in).
 """
 
 from __future__ import annotations
 
 import torch
 
-from cluster.engine.attention import AttnContext
-from cluster.engine.graphs import BUCKETS, bucket
+from cluster.engine.worker.attention import AttnContext
+from cluster.engine.worker.graphs import BUCKETS, bucket
 
 
 class _Step:
@@ -28,7 +28,7 @@ class _Step:
 
         splits = 1
         if head.backend.name == "triton":
-            from cluster.engine.paged_attention import num_splits
+            from cluster.engine.worker.paged_attention import num_splits
 
             splits = num_splits(batch, s.kv_heads, -(-(s.heads // s.kv_heads) // 64), kv.max_tokens)
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.engine.attention import AttnContext
-from cluster.engine.model import KERNELS, MLP, ModelShape, RMSNorm, Rotary
+from cluster.engine.worker.attention import AttnContext
+from cluster.engine.worker.model import KERNELS, MLP, ModelShape, RMSNorm, Rotary
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab, dtype=torch.int64))
         self.rotary = Rotary(hf_config, cfg.max_positions)
         self.hf_config = hf_config
-        self.backend = None  # an attention backend (cluster.engine.attention), set by the drafter
+        self.backend = None  # an attention backend (cluster.engine.worker.attention), set by the drafter
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's aux hidden states [..., A] -> the head's hidden input [..., D]."""

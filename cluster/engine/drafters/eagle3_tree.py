@@ -5,10 +5,10 @@ nodes of the frontier (by the product of the head's probabilities along the path
 `width` most likely children; after the last depth the `gamma` best nodes over all depths are
 the tree. A child's score never exceeds its parent's, so the best nodes, ties going to the
 shallower, always include every chosen node's parent: the tree is ancestor-closed, and it is
-returned parents first (cluster.engine.tree's order).
+returned parents first (cluster.engine.worker.tree's order).
 
 The head runs one pass per depth over every node grown so far (the tree mask lets each see its
-ancestors only, cluster.engine.attention.sdpa_mask): the nodes' keys sit past the target-fed
+ancestors only, cluster.engine.worker.attention.sdpa_mask): the nodes' keys sit past the target-fed
 ones, where the next catch-up overwrites them, and a tree is a few dozen nodes of one layer.
 """
 

@@ -8,7 +8,7 @@ the file beside the target stays small; W_k starts at zero, so an untrained head
 what the target's head does and training starts from there.
 
 The drafter combines the heads' top-k into a tree of candidate paths (a configurable sparse
-tree, see `sparse_tree`) that the engine verifies in one pass (cluster.engine.tree). Its
+tree, see `sparse_tree`) that the engine verifies in one pass (cluster.engine.worker.tree). Its
 gamma is the tree's size: a request drafting gamma g gets the tree's first g nodes (an
 ancestor-closed prefix, ordered by estimated acceptance). Backends without arbitrary masks
 (FA3) get the top-1 chain instead: verifying each path as its own batch row would copy the

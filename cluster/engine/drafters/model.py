@@ -16,9 +16,9 @@ from concurrent.futures import Future
 import torch
 
 from cluster.engine.drafters.base import TOPK, Drafter, DraftOutput, DraftRequest, draft_generator, empty_rows
-from cluster.engine.kv_cache import KVCache, KVHandle
-from cluster.engine.model import CausalLM
-from cluster.engine.runner import Runner, device_ints
+from cluster.engine.scheduling.kv_cache import KVCache, KVHandle
+from cluster.engine.worker.model import CausalLM
+from cluster.engine.worker.runner import Runner, device_ints
 from cluster.engine.sampling import target_probs
 
 log = logging.getLogger(__name__)

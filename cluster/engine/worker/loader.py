@@ -7,16 +7,16 @@ from pathlib import Path
 
 import torch
 
-from cluster.engine.embedded import load_embedded
-from cluster.engine.model import CausalLM, load_hf_model
+from cluster.engine.worker.embedded import load_embedded
+from cluster.engine.worker.model import CausalLM, load_hf_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # models.dtype
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device | str, group=None) -> CausalLM:
     """A Hugging Face directory (config.json + safetensors), or a directory with embed.json: a
-    small trained model built into a larger shape (cluster.engine.embedded). With `group`
-    (cluster.engine.parallel), this tensor-parallel rank's part only."""
+    small trained model built into a larger shape (cluster.engine.worker.embedded). With `group`
+    (cluster.engine.distributed.parallel), this tensor-parallel rank's part only."""
     path = Path(path)
     if (path / "embed.json").is_file():
         return load_embedded(path, dtype, device, group)

@@ -15,7 +15,7 @@ the same fp8 cache. It is the target's cache only: a draft model keeps its own c
 weights' dtype (small, and its rounding only moves acceptance).
 
 Under tensor parallelism every rank runs the calibration pass on its own heads (rank 0
-announces it, cluster.engine.ranks) and the ranks take the maximum of their amaxes, so every
+announces it, cluster.engine.distributed.ranks) and the ranks take the maximum of their amaxes, so every
 rank holds the same scales, those of the whole layer as one process computes them. vLLM's
 `calc_kv_scales` takes each rank's amax of its own shard with no collective, so its ranks
 quantize with different scales; a checkpoint's kv scales, by contrast, are per layer and the

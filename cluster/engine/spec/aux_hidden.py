@@ -3,7 +3,7 @@
 A target pass computes them at every position it runs; a sequence keeps those of the
 positions it accepts (a prefill chunk's, the verified row's accepted prefix or tree path) in
 one buffer, `Sequence.aux = (first position, [n, A] tensor)`. The next draft request carries
-the buffer and a reply that read it empties it (cluster.engine.drafting), so each position
+the buffer and a reply that read it empties it (cluster.engine.spec.drafting), so each position
 crosses to the drafter once, a remote one included. A failed call, a step skipped while a
 remote drafter is down and a row its replica asked to resync (`DraftOutput.unread`) leave
 the buffer to be sent again; a position sent twice is skipped by the drafter.

@@ -4,7 +4,7 @@ Megatron's split, as vLLM's ColumnParallelLinear / RowParallelLinear / QKVParall
 - q/k/v and gate/up are split by output features: rank r computes its own heads and its
   slice of the MLP's intermediate features without talking to the others;
 - o_proj and down_proj are split by input features: each rank's product is a partial sum, and
-  one all-reduce per block adds them up (cluster.engine.model);
+  one all-reduce per block adds them up (cluster.engine.worker.model);
 - KV heads are split like the q heads they serve; with fewer KV heads than ranks, each rank
   holds the one KV head its q heads share (replicated N / kv_heads times);
 - the embedding and the LM head are split over the vocabulary in equal slices, the last one
@@ -34,7 +34,7 @@ def check(shape, size: int) -> None:
 
 def local_shape(shape, size: int):
     """One rank's shape: its heads, KV heads and MLP features; the vocabulary stays whole,
-    since rank 0 returns full-vocabulary logits (cluster.engine.parallel.Group.gather_vocab)."""
+    since rank 0 returns full-vocabulary logits (cluster.engine.distributed.parallel.Group.gather_vocab)."""
     check(shape, size)
     return replace(shape, heads=shape.heads // size, kv_heads=max(1, shape.kv_heads // size),
                    intermediate=shape.intermediate // size)

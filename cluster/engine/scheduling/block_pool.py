@@ -1,7 +1,7 @@
 """The paged KV cache's block accounting: one pool of fixed-size blocks per cache.
 
 A sequence holds a block table (block ids in position order). Full blocks are named by the
-chained block hash (cluster.engine.hashing) once their tokens are final, and shared by every
+chained block hash (cluster.engine.scheduling.hashing) once their tokens are final, and shared by every
 sequence whose prompt starts with the same tokens: a prefix hit takes a reference on the
 block, it never copies KV. A block whose last reference goes stays cached (its hash still
 maps to it) on the free list until it is allocated again; allocation takes the least recently
@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cluster.engine.hashing import block_hashes
+from cluster.engine.scheduling.hashing import block_hashes
 
 
 class OutOfBlocks(RuntimeError):

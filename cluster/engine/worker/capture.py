@@ -1,6 +1,6 @@
 """Capture and replay of a step: CUDA graphs on a GPU, or an eager stand-in for CPU tests.
 
-The graph classes (cluster.engine.graphs, cluster.engine.drafters.eagle3_graphs) and the
+The graph classes (cluster.engine.worker.graphs, cluster.engine.drafters.eagle3_graphs) and the
 launch-ahead pipeline reach the CUDA-only calls through this interface alone: pinned host
 buffers, copy events, a memory pool, and `capture(body) -> (graph, outputs)`. `Eager`
 implements it on any device: capture runs `body` once, and each replay runs it again and

@@ -31,7 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from cluster.engine.drafters.base import Drafter, DraftOutput, DraftRequest
-from cluster.engine.sequence import Sequence
+from cluster.engine.scheduling.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

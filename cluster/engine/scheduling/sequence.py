@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.engine.kv_cache import KVHandle
+from cluster.engine.scheduling.kv_cache import KVHandle
 from cluster.engine.logprobs import TokenLogprob
 from cluster.engine.sampling import SamplingParams
 
@@ -103,7 +103,7 @@ class Sequence:
     # one per output token while params.logprobs is set (a preemption recomputes KV, never these)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # (first position, [n, A]): the target's aux hidden states not yet sent to an EAGLE-3
-    # drafter (cluster.engine.aux_hidden); kept only while this sequence's drafter reads them
+    # drafter (cluster.engine.spec.aux_hidden); kept only while this sequence's drafter reads them
     aux: tuple[int, torch.Tensor] | None = None
 
     def __post_init__(self):

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cluster.engine.attention import AttnContext
-from cluster.engine.sharding import local_shape, read_shards, vocab_rows
+from cluster.engine.worker.attention import AttnContext
+from cluster.engine.worker.sharding import local_shape, read_shards, vocab_rows
 
 log = logging.getLogger(__name__)
 SUPPORTED = ("llama", "qwen2", "mistral")
@@ -74,7 +74,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def linear(x, w, bias=None, norm=None, eps: float = 0.0, silu: bool = False, residual=None):
     """[residual +] linear([rms_norm(x, norm) | silu_mul(x)]): a projection with its
-    neighbours, so the GPU path can run it as one kernel (cluster.engine.gemv)."""
+    neighbours, so the GPU path can run it as one kernel (cluster.engine.worker.gemv)."""
     if norm is not None:
         x = KERNELS["rms_norm"](x, norm, eps)
     if silu:
@@ -90,7 +90,7 @@ def compile_kernels(cache_dir: str | None = None) -> None:
     """GPU fast path. Elementwise pieces fused by torch.compile (a decode step is otherwise
     dozens of tiny kernels per layer), compiled once per shape family and shared by all
     layers; projections of up to 16 token rows (batch-1 decode and verify, small batches) by the
-    Triton kernels in cluster.engine.gemv, wider ones on cuBLAS.
+    Triton kernels in cluster.engine.worker.gemv, wider ones on cuBLAS.
     Process-wide and idempotent: the target and a drafter in one process share it.
     `cache_dir`: Triton's kernels and tuning and inductor's artifacts go there (both libraries
     read these variables when they compile), so a later start loads instead of compiling."""
@@ -102,7 +102,7 @@ def compile_kernels(cache_dir: str | None = None) -> None:
         return
     for name in ("rope", "rms_norm", "silu_mul"):
         KERNELS[name] = torch.compile(KERNELS[name], dynamic=True)
-    from cluster.engine import gemv
+    from cluster.engine.worker import gemv
 
     def gpu_linear(x, w, bias=None, norm=None, eps=0.0, silu=False, residual=None):
         if x.is_cuda and gemv.supported(x.numel() // x.shape[-1], *w.shape):
@@ -163,7 +163,7 @@ class Attention(nn.Module):
     def segmented(self, h, norm: "RMSNorm", rot, backend, k_cache, v_cache, segs, scale=None):
         """As forward over the real tokens of several segments, h [N, hidden]: the projections
         and rotary run once over all N tokens, attention once per segment on its padded block
-        with its own context (cluster.engine.attention.Segment)."""
+        with its own context (cluster.engine.worker.attention.Segment)."""
         s, lin = self.s, KERNELS["linear"]
         n = h.shape[0]
         qkv = lin(h, self.qkv_proj.weight, self.qkv_proj.bias, norm.weight, norm.eps)
@@ -233,8 +233,8 @@ class VocabEmbedding(nn.Module):
 class CausalLM(nn.Module):
     """Returns hidden states; `logits(h)` applies the head only where the caller needs it.
 
-    With `group` (cluster.engine.parallel.Group) it is one tensor-parallel rank's part
-    (cluster.engine.sharding): `shape` is then the rank's (its heads, KV heads, MLP features)
+    With `group` (cluster.engine.distributed.parallel.Group) it is one tensor-parallel rank's part
+    (cluster.engine.worker.sharding): `shape` is then the rank's (its heads, KV heads, MLP features)
     with the whole vocabulary, and `logits` returns full-vocabulary logits on rank 0, None on
     the others."""
 
@@ -277,7 +277,7 @@ class CausalLM(nn.Module):
         return self.norm(h)
 
     def forward_segments(self, input_ids, positions, kv, segs: list, aux: list | None = None):
-        """forward over several padded segments in one pass (cluster.engine.runner.forward_mixed):
+        """forward over several padded segments in one pass (cluster.engine.worker.runner.forward_mixed):
         input_ids and positions [N] are the segments' real tokens back to back; embedding,
         projections, MLP and norms read the weights once for all of them, and only attention
         runs per segment (Attention.segmented). Returns [N, hidden]; with `aux`, appends [N, A]."""
@@ -326,7 +326,7 @@ def _fuse(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.
 
 def load_hf_model(path: str | Path, dtype: torch.dtype, device: torch.device | str, group=None) -> CausalLM:
     """Build the model from an HF directory (config.json + *.safetensors), weights in `dtype`;
-    with `group`, this tensor-parallel rank's part, read slice by slice (cluster.engine.sharding)."""
+    with `group`, this tensor-parallel rank's part, read slice by slice (cluster.engine.worker.sharding)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
     from tqdm.auto import tqdm

@@ -5,7 +5,7 @@ captured for (bucket(B), T). Its inputs are the tokens and each row's block-tabl
 length: the cache positions are found in the graph through the tables, so nothing but those
 is copied per step. Padding rows use the scratch row (every entry the scratch block), so they
 never touch a sequence's KV; rows shorter than T write a few positions past their length, into
-their own blocks or the scratch block, where nothing reads them (cluster.engine.kv_cache).
+their own blocks or the scratch block, where nothing reads them (cluster.engine.scheduling.kv_cache).
 Only backends that read lengths from tensors are captured (not SDPA, which gathers by a
 host-side length).
 
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from cluster.engine.attention import AttnContext
+from cluster.engine.worker.attention import AttnContext
 
 log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256)
@@ -39,7 +39,7 @@ class _Graph:
         """logits: the buffer every graph writes its [batch, width, V] logits into (in the
         weights' dtype); None: hidden states only (a prefill width). aux: the one buffer
         every graph writes its [batch, width, A] aux hidden states into (model.aux_layers).
-        capture: cluster.engine.capture's CUDA graphs or eager stand-in."""
+        capture: cluster.engine.worker.capture's CUDA graphs or eager stand-in."""
         dev = kv.k.device
         # ids, rows and lens in one buffer: a step's inputs are one copy from pinned memory
         n = batch * width
@@ -68,7 +68,7 @@ class _Graph:
         self.graph, (self.hidden, self.out) = capture.capture(body, pool)
 
     def _ctx(self, model, kv, width: int):
-        from cluster.engine.paged_attention import num_splits
+        from cluster.engine.worker.paged_attention import num_splits
 
         pos = self.lens[:, None] + torch.arange(width, device=self.ids.device)
         b, s = self.ids.shape[0], model.shape
@@ -82,7 +82,7 @@ class _Graph:
 class GraphRunner:
     def __init__(self, model, kv, capture, max_width: int, prefill_chunk: int = 0, max_tokens: int = 0,
                  dense_to: int = 0):
-        """capture: cluster.engine.capture.for_device's (CUDA graphs, or the CPU stand-in)."""
+        """capture: cluster.engine.worker.capture.for_device's (CUDA graphs, or the CPU stand-in)."""
         self.model, self.kv, self.capture, self.max_width = model, kv, capture, max_width
         # Hidden-only widths: every width up to `dense_to` (a drafter's catch-up after a verify
         # step: a few tokens a row), then steps of 1.5x from 16 below the chunk size, then the

@@ -2,7 +2,7 @@
 
 The runner fills one `AttnContext` per step; every attention layer calls
 `backend(q, k, v, k_cache, v_cache, ctx, scale)` with that layer's cache
-(`[blocks + 1, block_size, kv_heads, head_dim]`, see cluster.engine.kv_cache). A step writes
+(`[blocks + 1, block_size, kv_heads, head_dim]`, see cluster.engine.scheduling.kv_cache). A step writes
 its new keys/values at positions `cache_len .. cache_len + q_len` of each row (through the
 row's block table) and attends causally over everything before. Prefill, decode and
 multi-token verify are the same call with different q lengths.
@@ -10,7 +10,7 @@ multi-token verify are the same call with different q lengths.
 `BACKENDS` is the one list of them (config validation reads it):
 - `sdpa`: PyTorch's scaled_dot_product_attention over keys gathered through the block
   tables; any device, arbitrary masks (draft trees).
-- `triton`: cluster.engine.paged_attention, reading the block tables itself; CUDA graphs.
+- `triton`: cluster.engine.worker.paged_attention, reading the block tables itself; CUDA graphs.
 - `fa3`: FlashAttention-3's own paged interface (`page_table=`), where the installed FA3 build
   has paged KV (the fa3-fwd 0.0.3 wheel does not; it is probed at start).
 """
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cluster.engine import fp8
-from cluster.engine.kv_cache import slot_index
+from cluster.engine.worker import fp8
+from cluster.engine.scheduling.kv_cache import slot_index
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class AttnContext:
 
 @dataclass
 class Segment:
-    """One padded block [B, T] of a segmented pass (cluster.engine.runner.Runner.forward_mixed):
+    """One padded block [B, T] of a segmented pass (cluster.engine.worker.runner.Runner.forward_mixed):
     its real tokens are `start .. stop` of the pass's flat token list, and `ctx.write_src`
     (None: no padding) places them in the block."""
     ctx: AttnContext
@@ -139,7 +139,7 @@ class SdpaBackend:
 
 
 class TritonBackend:
-    """cluster.engine.paged_attention: reads the block tables and lengths from tensors, so a
+    """cluster.engine.worker.paged_attention: reads the block tables and lengths from tensors, so a
     step replays as a CUDA graph."""
 
     name = "triton"
@@ -147,7 +147,7 @@ class TritonBackend:
     graphs = True
 
     def __init__(self):
-        from cluster.engine import paged_attention
+        from cluster.engine.worker import paged_attention
 
         self.kernel, self.write = paged_attention.paged_attention, paged_attention.write_kv
 

@@ -6,7 +6,7 @@ is [root, node 0, node 1, ...]: node i sits at feed index i + 1 and slot positio
 cache_len + i + 1, but its rotary position is cache_len + depth, and it attends to the cached
 prefix and its own ancestors only (`AttnContext.tree_mask`, for backends with `supports_tree`).
 
-Acceptance walks down from the root (cluster.engine.acceptance). The accepted nodes' K/V are
+Acceptance walks down from the root (cluster.engine.spec.acceptance). The accepted nodes' K/V are
 then copied from their flat positions to consecutive positions after the root; everything
 past the accepted path is dropped by the length, as in a chain.
 """

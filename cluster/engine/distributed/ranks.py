@@ -12,9 +12,9 @@ above the runner is unchanged and a follower's host work does not grow with the 
 
 The first header after start is the KV geometry and cache dtype (`SETUP`). With an fp8 cache
 a CALIBRATE header (its payload: the calibration tokens) follows: every rank runs the
-calibration pass on its heads and the ranks agree on the scales (cluster.engine.fp8), once,
+calibration pass on its heads and the ranks agree on the scales (cluster.engine.worker.fp8), once,
 before any FORWARD. STOP ends the followers. A dead
-or stalled rank makes rank 0's next collective fail (cluster.engine.parallel): rank 0 raises
+or stalled rank makes rank 0's next collective fail (cluster.engine.distributed.parallel): rank 0 raises
 RankFailure and the replica goes down, rather than serving from a broken group.
 """
 
@@ -27,12 +27,12 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from cluster.engine import fp8
-from cluster.engine.attention import AttnContext
-from cluster.engine.kv_cache import KVCache
-from cluster.engine.parallel import Group, RankFailure, free_port, init_group
-from cluster.engine.runner import Runner
-from cluster.engine.tree import tree_layout
+from cluster.engine.worker import fp8
+from cluster.engine.worker.attention import AttnContext
+from cluster.engine.scheduling.kv_cache import KVCache
+from cluster.engine.distributed.parallel import Group, RankFailure, free_port, init_group
+from cluster.engine.worker.runner import Runner
+from cluster.engine.worker.tree import tree_layout
 
 log = logging.getLogger(__name__)
 STOP, FORWARD, CALIBRATE = 0, 1, 2
@@ -127,7 +127,7 @@ class ParallelRunner(Runner):
                                                  int(kv.k.dtype == fp8.FP8)]))
 
     def calibrate(self, token_ids: list[int]) -> None:
-        """As Runner.calibrate, on every rank: each gets the same scales (cluster.engine.fp8)."""
+        """As Runner.calibrate, on every rank: each gets the same scales (cluster.engine.worker.fp8)."""
         with self._failures():
             self.group.broadcast_header(torch.tensor([CALIBRATE, len(token_ids)] + [0] * (META - 2)))
             self.group.broadcast_header(torch.tensor(token_ids, dtype=torch.int64))
@@ -223,7 +223,7 @@ def follow(rank: int, size: int, port: int, target: str, cfg, step_timeout_s: fl
            addr: str = "127.0.0.1") -> KVCache:
     """A follower rank's whole life: join, load its shard, mirror rank 0's passes until STOP.
     Returns its KV cache as STOP left it (its scales, for a caller that checks them)."""
-    from cluster.engine.loader import load_model
+    from cluster.engine.worker.loader import load_model
 
     torch.set_num_threads(max(1, torch.get_num_threads() // size))  # on a CPU the ranks share the host's cores
     group = init_group(rank, size, addr, port, cfg.device, step_timeout_s)

@@ -5,7 +5,7 @@ token at position p sits in block `table[p // block_size]` at offset `p % block_
 tables of all live sequences are rows of one device tensor (`tables`), so attention kernels
 and CUDA graphs find any sequence's keys from its row index alone, and a step copies nothing
 but its rows' indices and lengths. Block accounting (allocation, prefix sharing by the block
-hash, LRU eviction of cached blocks) is cluster.engine.block_pool.
+hash, LRU eviction of cached blocks) is cluster.engine.scheduling.block_pool.
 
 The last block is scratch: unallocated table entries and padding rows point at it, so the
 writes of padded positions (CUDA graph rows, rows shorter than their step's width) land
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.engine.block_pool import BlockPool, BlockTable
+from cluster.engine.scheduling.block_pool import BlockPool, BlockTable
 
 
 @dataclass
@@ -48,12 +48,12 @@ class KVCache:
         self.free_rows = list(range(max_rows - 1, -1, -1))
         # (row, column) -> block, not yet on the device; the latest change of an entry wins
         self._updates: dict[tuple[int, int], int] = {}
-        # fp8 caches: [layers, 3 (q, k, v)] fp32 scales on the host (cluster.engine.fp8): 0-d
+        # fp8 caches: [layers, 3 (q, k, v)] fp32 scales on the host (cluster.engine.worker.fp8): 0-d
         # host tensors act as numbers in device arithmetic, and kernels take them as constants
         self.scales: torch.Tensor | None = None
         self.handles: list[KVHandle] = []  # a dense cache's rows (KVCache.dense)
         # slot copies (src, dst) not yet sent: a tensor-parallel rank 0 sets a list and sends
-        # them to its followers before the next pass (cluster.engine.ranks); None: not kept
+        # them to its followers before the next pass (cluster.engine.distributed.ranks); None: not kept
         self.moved: list[tuple[int, int]] | None = None
 
     @classmethod

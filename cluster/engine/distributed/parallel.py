@@ -44,7 +44,7 @@ class Group:
 
     def all_max(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise maximum of x over ranks, in place (each rank's amax of its own heads
-        becomes the amax over all heads: cluster.engine.fp8)."""
+        becomes the amax over all heads: cluster.engine.worker.fp8)."""
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.step_group)
         return x
 

@@ -7,12 +7,12 @@ import time
 
 import torch
 
-from cluster.engine import fp8
-from cluster.engine.attention import AttnContext, Segment, make_backend
-from cluster.engine.capture import for_device as capture_for
-from cluster.engine.kv_cache import KVCache
-from cluster.engine.model import CausalLM
-from cluster.engine.tree import tree_layout
+from cluster.engine.worker import fp8
+from cluster.engine.worker.attention import AttnContext, Segment, make_backend
+from cluster.engine.worker.capture import for_device as capture_for
+from cluster.engine.scheduling.kv_cache import KVCache
+from cluster.engine.worker.model import CausalLM
+from cluster.engine.worker.tree import tree_layout
 
 
 class Runner:
@@ -30,12 +30,12 @@ class Runner:
         self.warmup: dict | None = None  # what warm_up took, once it ran
         capture = capture_for(self.device, model.backend) if graph_width else None
         if capture is not None:  # decode/verify steps up to graph_width tokens a row
-            from cluster.engine.graphs import GraphRunner
+            from cluster.engine.worker.graphs import GraphRunner
 
             self.graphs = GraphRunner(model, kv, capture, graph_width, prefill_chunk, max_tokens, dense_to)
 
     def calibrate(self, token_ids: list[int]) -> None:
-        """An fp8 cache's scales from one pass over `token_ids` (cluster.engine.fp8), before
+        """An fp8 cache's scales from one pass over `token_ids` (cluster.engine.worker.fp8), before
         any pass writes the cache or a graph captures the scales."""
         self.kv.scales = fp8.calibrate(self.model, token_ids)
 
@@ -56,7 +56,7 @@ class Runner:
         at the same positions; with `aux` as well, (logits, hidden, aux hidden states
         [B, T, A] at every (padded) position whatever `last_only`, None without
         model.aux_layers): the inputs of those layers side by side (an EAGLE-3 drafter's). `trees[b]`,
-        where not None, makes row b a draft tree ([root] + nodes, see cluster.engine.tree)
+        where not None, makes row b a draft tree ([root] + nodes, see cluster.engine.worker.tree)
         instead of a chain.
         """
         q_lens = [len(t) for t in tokens]
@@ -82,7 +82,7 @@ class Runner:
     def run(self, ids: torch.Tensor, ctx: AttnContext, last_only: bool, num_layers: int | None, hidden: bool,
             aux: bool = False):
         """The eager pass over token ids [B, T] on the device, as `forward` returns it (the
-        part tensor-parallel ranks share, cluster.engine.ranks)."""
+        part tensor-parallel ranks share, cluster.engine.distributed.ranks)."""
         taken: list = []
         h = self.model(ids, ctx.positions, self.kv, ctx, num_layers, aux=taken if aux else None)
         a = taken[0] if taken else None
@@ -95,7 +95,7 @@ class Runner:
     def forward_mixed(self, verify: tuple, prefill: tuple, trees: list[list[int] | None] | None = None):
         """One eager pass over verify rows and prefill chunks, each a segment (rows, cache_lens,
         tokens) padded only to its own width: the weights are read once for both, and a
-        256-token chunk does not pad 5-token verify rows (cluster.engine.model.forward_segments).
+        256-token chunk does not pad 5-token verify rows (cluster.engine.worker.model.forward_segments).
         `trees` as forward's, for the verify rows. Returns ((logits [B1, T1, V], hidden
         [B1, T1, D], aux [B1, T1, A] | None) as forward(last_only=False, hidden=True, aux=True)
         gives them, and (logits [B2, V], hidden [B2, D]) at each chunk's last token with aux
@@ -131,7 +131,7 @@ class Runner:
         """Key splits per row for the paged triton kernel (flash-decoding); 1 for prefill."""
         if self.model.backend.name != "triton" or width > 16:
             return 1
-        from cluster.engine.paged_attention import num_splits
+        from cluster.engine.worker.paged_attention import num_splits
 
         s = self.model.shape
         tiles = -(-width * (s.heads // s.kv_heads) // 64)

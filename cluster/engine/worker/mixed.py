@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 
 from cluster.engine.observation import StepObservation, observation
-from cluster.engine.sequence import Sequence
+from cluster.engine.scheduling.sequence import Sequence
 
 Rows = list[tuple[Sequence, int]]
 

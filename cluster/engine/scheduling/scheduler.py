@@ -2,7 +2,7 @@
 
 Prefill chunks go first (they bound time to first token); otherwise every running sequence
 takes one verify row of gamma+1 tokens. With mixed_prefill both share one step: the verify
-rows first, the chunks within what they leave of the budget (cluster.engine.mixed). A step
+rows first, the chunks within what they leave of the budget (cluster.engine.worker.mixed). A step
 is measured in verify tokens (sum of gamma+1 over rows plus prefill tokens) under
 `max_batch_tokens`: that is speculation-aware batching, so a batch with long drafts holds
 fewer sequences than one decoding plainly.
@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections import deque
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.kv_cache import KVCache
-from cluster.engine.sequence import Sequence, Status
+from cluster.engine.scheduling.kv_cache import KVCache
+from cluster.engine.scheduling.sequence import Sequence, Status
 
 
 class QueueFull(RuntimeError):

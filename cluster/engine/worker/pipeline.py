@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine.sequence import Sequence
+from cluster.engine.scheduling.sequence import Sequence
 
 
 @dataclass
@@ -32,7 +32,7 @@ class _Ahead:
 
 class DecodePipeline:
     def __init__(self, graphs):
-        self.graphs = graphs  # cluster.engine.graphs.GraphRunner
+        self.graphs = graphs  # cluster.engine.worker.graphs.GraphRunner
         self.ahead: _Ahead | None = None
         self.host = graphs.capture.host(graphs.max_batch)
         self.copied = graphs.capture.event()  # this step's tokens are on the host

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig
 
-from cluster.engine.model import CausalLM, ModelShape, Rotary, load_hf_model
+from cluster.engine.worker.model import CausalLM, ModelShape, Rotary, load_hf_model
 
 A, FINAL_SCALE, PAD_LOGIT = 2.0**-10, 2.0**10, 2.0**14
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -155,7 +155,7 @@ def _embed_ends(pl: _Plan, emb: torch.Tensor, head: torch.Tensor, norm: torch.Te
 def _full_layer(pl: _Plan, i: int, seed: int):
     """Layer i of the large model at full size: random weights (seeded by layer, so every
     rank builds the same), then the small model's layer placed in it."""
-    from cluster.engine.model import Layer
+    from cluster.engine.worker.model import Layer
 
     g = torch.Generator(device=pl.device).manual_seed(seed * 100_003 + i)
     with torch.device("meta"):
@@ -203,7 +203,7 @@ def embed_llama(small: CausalLM, big: dict, device="cuda", dtype=torch.bfloat16,
 
 def hf_layer_weights(layer, b: ModelShape) -> dict[str, torch.Tensor]:
     """A full-size layer's weights under their Hugging Face names (q/k/v and gate/up apart),
-    which is what cluster.engine.sharding cuts."""
+    which is what cluster.engine.worker.sharding cuts."""
     q, kv = b.heads * b.head_dim, b.kv_heads * b.head_dim
     qkv, gate_up = layer.self_attn.qkv_proj.weight, layer.mlp.gate_up_proj.weight
     return {"self_attn.q_proj.weight": qkv[:q], "self_attn.k_proj.weight": qkv[q:q + kv],
@@ -218,10 +218,10 @@ def hf_layer_weights(layer, b: ModelShape) -> dict[str, torch.Tensor]:
 def embed_llama_shard(small: CausalLM, big: dict, device, dtype, seed: int, group) -> CausalLM:
     """Tensor-parallel rank `group.rank`'s part of embed_llama's model (the same weights): each
     full-size piece is built one at a time (a layer, then the embedding and head), cut to this
-    rank's slice as a checkpoint's would be (cluster.engine.sharding) and dropped, so no rank
+    rank's slice as a checkpoint's would be (cluster.engine.worker.sharding) and dropped, so no rank
     holds the whole model (a 70B layer is 1.7 GB in bf16; the model, 141 GB)."""
-    from cluster.engine.model import _fuse
-    from cluster.engine.sharding import take, weight_slice
+    from cluster.engine.worker.model import _fuse
+    from cluster.engine.worker.sharding import take, weight_slice
 
     cfg, pl = _plan(small, big, device, dtype)
     b, state = pl.b, {}

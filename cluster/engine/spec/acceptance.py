@@ -6,7 +6,7 @@ target's probabilities at those g+1 positions (`sampling.rejection_sample`). A g
 takes a shortcut with the same result: a one-hot target accepts drafts while they equal its
 argmax and adds the argmax at the first miss, with no vocabulary-sized tensors.
 
-A tree row (see cluster.engine.tree for its layout) is walked from the root: at each node
+A tree row (see cluster.engine.worker.tree for its layout) is walked from the root: at each node
 the target's token there is drawn exactly as plain decoding draws it (the argmax, or an
 exponential race with the request's generator); if a child holds that token the walk moves
 on, otherwise the token ends the step. Each emitted token is thus a draw from the target

@@ -129,7 +129,7 @@ def _write(K, V, KC, VC, Tables, Rows, CacheLens, QLens, k_scale, v_scale,
         dst = blk * s_cb + (pos % BS) * s_cs + offs
         k = tl.load(K + b * s_kb + t * s_kt + head * s_kh + d)
         v = tl.load(V + b * s_vb + t * s_vt + head * s_vh + d)
-        if FP8:  # e4m3, saturating at +-448 as cluster.engine.fp8.quantize
+        if FP8:  # e4m3, saturating at +-448 as cluster.engine.worker.fp8.quantize
             k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
             v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
         tl.store(KC + dst, k.to(KC.dtype.element_ty))
