@@ -144,7 +144,12 @@ class Engine:
         spec = spec or SpecParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         validate_request(ids, params, spec, drafter, self.limits)
-        sid = request_id or f"req-{next(self._ids)}"
+        return self.enqueue(ids, params, spec, drafter, request_id or f"req-{next(self._ids)}")
+
+    def enqueue(self, ids: list[int], params: SamplingParams, spec: SpecParams, drafter: str | None, sid: str) -> str:
+        """A request its edge has checked (cluster.engine.requests; the serving path's router):
+        only what the engine's memory depends on is asserted here."""
+        assert ids and len(ids) < self.cfg.max_model_len, "prompt length unchecked at the edge"
         if sid in self.seqs:
             raise InvalidRequest(f"request id {sid!r} is already in flight")
         seq = Sequence(sid, ids, params, spec, drafter)

@@ -1,8 +1,10 @@
-"""The one check of what a request asks for, shared by every ingress and the engine.
+"""The one check of what a request asks for, at the edge it enters by.
 
-An ingress runs it before a request leaves for a verifier (so bad input gets its status at
-the edge); the engine runs it again on `add_request`, because local users and benchmarks
-call the engine directly. Both read the same limits, so the two can never disagree.
+Served requests are checked by the router (cluster.serve.admission) and then trusted: the
+engine core enqueues them (`Engine.enqueue`, which asserts only what its memory depends on).
+Local users and benchmarks enter by `Engine.add_request`, which runs the same check. Both read
+the same limits, so the two edges can never disagree. The parameters are checked apart from
+the prompt, so an edge can refuse them before it spends time tokenizing.
 """
 
 from __future__ import annotations
@@ -27,16 +29,31 @@ class RequestLimits:
 def validate_request(prompt_ids: list[int], params: SamplingParams, spec: SpecParams,
                      drafter: str | None, limits: RequestLimits) -> None:
     """Raise InvalidRequest naming the first field that is out of bounds."""
+    validate_params(params, spec, limits.gamma_max)
+    validate_drafter(drafter, limits.drafters)
+    validate_prompt(prompt_ids, limits)
+
+
+def validate_params(params: SamplingParams, spec: SpecParams, gamma_max: int) -> None:
+    """Speculation and sampling: what needs neither tokens nor a verifier's answer."""
+    if spec.mode not in SPEC_MODES:  # echoed cut short: the field may be anything a client sent
+        raise InvalidRequest(f"unknown speculation mode {str(spec.mode)[:40]} (auto, off or fixed)")
+    if spec.mode == "fixed" and not (isinstance(spec.gamma, int) and 0 <= spec.gamma <= gamma_max):
+        raise InvalidRequest(f"speculation gamma must be in [0, {gamma_max}], got {spec.gamma!r}")
     params.validate()
-    if spec.mode not in SPEC_MODES:
-        raise InvalidRequest(f"speculation mode must be auto, off or fixed, got {spec.mode!r}")
-    if spec.mode == "fixed" and not (isinstance(spec.gamma, int) and 0 <= spec.gamma <= limits.gamma_max):
-        raise InvalidRequest(f"speculation gamma must be in [0, {limits.gamma_max}], got {spec.gamma!r}")
+
+
+def validate_drafter(drafter: str | None, drafters: tuple[str, ...] | None) -> None:
+    """A named drafter must be one this deployment has (None: any registered one)."""
     if drafter is not None:
-        known = tuple(DRAFTERS) if limits.drafters is None else limits.drafters
+        known = tuple(DRAFTERS) if drafters is None else drafters
         if drafter not in known:
             shown = drafter if len(drafter) <= 40 else drafter[:40] + "..."
             raise InvalidRequest(f"unknown drafter {shown!r} (available: {', '.join(known) or 'none'})")
+
+
+def validate_prompt(prompt_ids: list[int], limits: RequestLimits) -> None:
+    """The prompt's tokens: there, within the length and the vocabulary."""
     if not prompt_ids:
         raise InvalidRequest("prompt is empty")
     if len(prompt_ids) >= limits.max_model_len:

@@ -3,10 +3,11 @@
 API keys, the per-client and per-router limits, validation and tokenization, in no
 protocol's terms: an ingress decodes its request into a `GenerateInput`, hands over the
 bearer token and the peer it saw, and maps an `AdmissionError`'s kind onto its own status
-codes. What a request asks of the engine is checked by the engine's own
-`validate_request`, so the edge and the engine cannot disagree; the checks here are the
-ones only an edge makes: text length before tokenizing, the max_tokens policy, request
-ids, and which model this cluster serves.
+codes. This is a served request's only check: what it asks of the engine is checked with the
+engine's own functions (cluster.engine.requests: the parameters before tokenizing, the
+prompt after), so the edge and the engine cannot disagree, and the verifier trusts it. The
+checks only an edge makes come first: text length before tokenizing, the max_tokens policy,
+request ids, and which model this cluster serves.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from cluster.engine.requests import SPEC_MODES, RequestLimits, validate_request
+from cluster.engine.requests import RequestLimits, validate_drafter, validate_params, validate_prompt
 from cluster.engine.sampling import InvalidRequest, SamplingParams
 from cluster.engine.scheduling.sequence import SpecParams
 from cluster.serve.calls import ErrorKind, GenerateCall, RequestError
@@ -131,8 +132,6 @@ class Admission:
         max_tokens = inp.max_tokens or r.default_max_tokens
         if not 1 <= max_tokens <= r.max_tokens_limit:
             raise _invalid(f"max_tokens must be in [1, {r.max_tokens_limit}], got {inp.max_tokens}")
-        if inp.spec_mode not in SPEC_MODES:
-            raise _invalid(f"unknown speculation mode {inp.spec_mode[:40]} (auto, off or fixed)")
         if len(inp.request_id) > MAX_REQUEST_ID:
             raise _invalid(f"request_id has {len(inp.request_id)} characters; the limit is {MAX_REQUEST_ID}")
         params = SamplingParams(
@@ -145,6 +144,10 @@ class Admission:
             logprobs=inp.logprobs)
         spec = SpecParams(inp.spec_mode, inp.gamma)
         drafter = inp.drafter or None
+        try:
+            validate_params(params, spec, self.gamma_max)
+        except InvalidRequest as e:
+            raise _invalid(str(e)) from None
         ids = self.tokenizer.encode(inp.prompt)
         try:
             info = await self.model_info()
@@ -156,7 +159,8 @@ class Admission:
         limits = RequestLimits(max_model_len=info["max_model_len"], gamma_max=self.gamma_max,
                                drafters=None if drafters is None else tuple(drafters))
         try:
-            validate_request(ids, params, spec, drafter, limits)
+            validate_drafter(drafter, limits.drafters)
+            validate_prompt(ids, limits)
         except InvalidRequest as e:
             raise _invalid(str(e)) from None
         return GenerateCall(ids, params, spec, drafter, f"{inp.request_id or 'req'}-{uuid.uuid4().hex[:12]}")

@@ -77,13 +77,20 @@ def build_eagle3_drafter(cfg: ClusterConfig, target: CausalLM | None = None) -> 
     cuda = next(head.parameters()).is_cuda
     if cuda and ec.compile:
         compile_kernels(ec.compile_cache_dir)
-    return Eagle3Drafter(head, num_slots=2 * ec.max_num_seqs, max_len=max_len, attention=ec.attention,
+    return Eagle3Drafter(head, num_slots=draft_slots(ec), max_len=max_len, attention=ec.attention,
                          cuda_graphs=ec.cuda_graphs)
 
 
 def eagle3_aux_layers(cfg: ClusterConfig, target_layers: int) -> tuple[int, ...]:
     """Which target layers a remote EAGLE-3 head reads (its config only, no weights)."""
     return head_config(eagle3_dir(cfg), target_layers)[0].aux_layers
+
+
+def draft_slots(ec) -> int:
+    """Sequences a drafter keeps state for: two verifiers' full batches (a verifier keeps one
+    drafter replica for 30 s, state it left expires after drafter_state_ttl_s) before LRU
+    eviction makes a row catch up again from the start."""
+    return 2 * ec.max_num_seqs
 
 
 def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
@@ -93,9 +100,6 @@ def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
     if cuda and ec.compile:
         compile_kernels(ec.compile_cache_dir)
     # ModelDrafter's paged pool is num_slots x (max_len + 512) tokens, allocated up front.
-    # Rows: 2 x max_num_seqs, so a drafter replica keeps the state of two verifiers' full
-    # batches (a verifier keeps one replica for 30 s, state it left expires after
-    # drafter_state_ttl_s) before LRU eviction makes a row catch up again from the start.
     # Length: capped at DRAFT_MAX_LEN, since with the target's max_model_len the pool would
     # be rows x max_model_len, which a long-context target makes absurd (Llama-3.2-1B, 32 KiB
     # a token: 512 rows x 32k = 520 GiB, x 2.5k = 40 GiB). The drafter skips rows longer than
@@ -104,7 +108,7 @@ def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
     # demo and test configs (max_model_len <= 1024) are unchanged by it. Colocated on a GPU,
     # the target's KV pool is sized after this one exists (cluster.engine.worker.memory), so it
     # comes out of the verifier's pool.
-    return ModelDrafter(model, num_slots=2 * ec.max_num_seqs, max_len=min(ec.max_model_len, DRAFT_MAX_LEN),
+    return ModelDrafter(model, num_slots=draft_slots(ec), max_len=min(ec.max_model_len, DRAFT_MAX_LEN),
                         look_ahead="auto" if ec.draft_look_ahead else None)
 
 

@@ -1,8 +1,8 @@
 """The engine core: the engine and its step loop in a process of their own.
 
 A verifier replica's process runs Serve's machinery: its asyncio loop, the streaming of each
-request's outputs, pickling. Sharing a GIL with the engine's steps, both slowed (issue 35: the
-engine loop held the GIL a third of the time under 256 streams). So the engine lives in an
+request's outputs, pickling. Sharing a GIL with the engine's steps, both slow down
+(benchmarks/gpu/serve_scale). So the engine lives in an
 `EngineCore` Ray actor beside the replica, on the replica's node and GPU, and the two speak
 ZeroMQ over Unix sockets, msgpack-encoded, as vLLM's API server and engine core do:
 
@@ -160,9 +160,9 @@ class CoreLoop:
         if kind == "add":
             sid, ids, params, spec, drafter = decode_add(msg)
             try:
-                self.engine.add_request(ids, params, spec, drafter, request_id=sid)
+                self.engine.enqueue(ids, params, spec, drafter, sid)  # checked at the router
                 self.live.add(sid)
-            except (InvalidRequest, QueueFull) as e:  # the replica checked; the engine has the last word
+            except (InvalidRequest, QueueFull) as e:  # a full queue, a request id in flight
                 self._send(["refused", sid, "invalid" if isinstance(e, InvalidRequest) else "exhausted", str(e)])
         elif kind == "abort":
             self.live.discard(msg[1])

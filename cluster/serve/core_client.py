@@ -21,7 +21,6 @@ from typing import Callable
 import zmq
 
 from cluster.engine.distributed.parallel import RankFailure
-from cluster.engine.requests import validate_request
 from cluster.engine.sampling import InvalidRequest
 from cluster.engine.scheduling.scheduler import QueueFull
 from cluster.serve.core import decode_observation, decode_output, encode_add, limits_of, pack, unpack
@@ -71,8 +70,7 @@ class CoreClient:
 
     def submit(self, prompt_ids, params, spec, drafter, request_id) -> tuple[str, asyncio.Queue]:
         """Raises InvalidRequest / QueueFull straight to the caller; the core takes the
-        request before its next step."""
-        validate_request(prompt_ids, params, spec, drafter, self.limits)
+        request before its next step. The request was checked at the router (admission)."""
         if len(self.queues) >= self.info["max_num_seqs"] + self.info["max_waiting"]:  # the most the engine holds
             raise QueueFull(f"admission queue full ({self.info['max_waiting']} waiting)")
         sid = request_id or f"req-{uuid.uuid4().hex[:12]}"

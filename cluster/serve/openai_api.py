@@ -235,10 +235,12 @@ class OpenAIRoutes:
         usage_in_stream = bool(_get(body, "stream_options", (dict,), {}).get("include_usage"))
         calls = []  # choice i*n + j: prompt i, sample j
         for inp in inputs:
+            call = await self.admission.admit(inp)  # checked and tokenized once for its n samples
             for j in range(n):
                 # one seed would give n equal samples; seed+j keeps them reproducible and apart
                 seed = None if inp.seed is None else inp.seed + j
-                calls.append(await self.admission.admit(GenerateInput(**{**vars(inp), "seed": seed})))
+                calls.append(call if j == 0 else replace(call, params=replace(call.params, seed=seed),
+                                                         request_id=f"{call.request_id}-{j}"))
         # every sequence holds a slot: n choices cost what n requests do. All are taken
         # before any starts, so a refused request started nothing
         slots = ExitStack()

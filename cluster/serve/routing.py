@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from cluster.engine.config import EngineConfig
 from cluster.engine.scheduling.hashing import block_hashes, model_seed
 from cluster.serve.calls import GenerateCall
 
@@ -40,8 +41,10 @@ class RoutingPolicy:
     overlap_weight: float = 1.0
     load_weight: float = 1.0
     max_imbalance: float = 2.0
-    max_num_seqs: int = 32          # sequences a replica runs at once
-    max_batch_tokens: int = 512     # a replica's verify-token budget per step
+    # a replica's capacity; the defaults are the engine's (cluster.engine.config), set per
+    # deployment from its engine config (cluster.serve.app.request_router_config)
+    max_num_seqs: int = EngineConfig.model_fields["max_num_seqs"].default
+    max_batch_tokens: int = EngineConfig.model_fields["max_batch_tokens"].default
 
     def load_norm(self, r: ReplicaLoad) -> float:
         """Fraction of a replica's capacity in use: slots or step budget, whichever binds."""

@@ -1,2 +1,1 @@
-"""Tensor parallelism: the process group (parallel), rank 0 and its followers (ranks), and
-which part of each weight a rank holds (sharding)."""
+"""Tensor parallelism: the process group (parallel), and rank 0 with its followers (ranks)."""

@@ -1,2 +1,2 @@
-"""Scheduling: what a request asks (requests), its state (sequence), what runs next
-(scheduler), and the paged KV blocks it holds (block_pool, kv_cache, hashing, memory)."""
+"""Scheduling: a request's state (sequence), what runs next (scheduler), and the paged KV
+blocks it holds (block_pool, kv_cache, hashing)."""

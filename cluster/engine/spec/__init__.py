@@ -1,2 +1,2 @@
 """Speculation within a step: one propose call per drafter (drafting), which drafts stand
-(acceptance), tree verification (tree), and the aux hidden states EAGLE-3 reads (aux_hidden)."""
+(acceptance), and the aux hidden states EAGLE-3 reads (aux_hidden)."""
