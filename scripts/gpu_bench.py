@@ -26,18 +26,18 @@ from pathlib import Path
 
 import torch
 
-from cluster.engine.worker.embedded import demo_8b
 from cluster.bench.synthetic import copy_bandwidth, cuda_time
 from cluster.bench.workloads import code_prompts
-from cluster.engine.worker.attention import AttnContext, SdpaBackend, make_backend
+from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.base import DraftRequest
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.engine import Engine
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.config import EngineConfig
 from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.engine.scheduling.sequence import SpecParams
+from cluster.engine.worker.attention import AttnContext, SdpaBackend, make_backend
+from cluster.engine.worker.embedded import demo_8b
 from cluster.policy import SpeculationPolicyConfig, make_controller
 
 OUT = os.environ.get("OUT", ".")

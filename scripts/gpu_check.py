@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from cluster.engine.worker.attention import Fa3Backend, SdpaBackend, make_backend
-from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.bench.synthetic import copy_bandwidth, cuda_time, random_llama
+from cluster.engine.scheduling.kv_cache import KVCache
+from cluster.engine.worker.attention import Fa3Backend, SdpaBackend, make_backend
 from cluster.engine.worker.model import CausalLM
 from cluster.engine.worker.runner import Runner
 

@@ -13,14 +13,14 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from cluster.engine.worker.embedded import demo_8b
 from cluster.bench.workloads import code_prompts
+from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.worker.loader import load_model
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.config import EngineConfig
 from cluster.engine.scheduling.sequence import SpecParams
+from cluster.engine.worker.embedded import demo_8b
+from cluster.engine.worker.loader import load_model
 
 DEMO = Path(__file__).resolve().parents[1] / "cluster" / "models" / "demo"
 OUT = os.environ.get("OUT", ".")

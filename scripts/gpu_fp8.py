@@ -66,9 +66,9 @@ def step_ms(engine, batch: int, width: int, ctx: int) -> float:
 
 
 def measure(kv_dtype: str, target, draft, tok, prompts, seqs) -> dict:
+    from cluster.engine.config import EngineConfig
     from cluster.engine.drafters.model import ModelDrafter
     from cluster.engine.engine import Engine
-    from cluster.engine.config import EngineConfig
     from cluster.engine.scheduling.sequence import SpecParams
 
     cfg = EngineConfig(max_num_seqs=BATCH, max_model_len=CTX + 64, max_batch_tokens=4096, prefill_chunk=512,
@@ -118,8 +118,8 @@ def compare(a: list[torch.Tensor], b: list[torch.Tensor]) -> dict:
 def main() -> int:
     from transformers import AutoTokenizer
 
-    from cluster.engine.worker.embedded import demo_8b
     from cluster.bench.workloads import code_prompts
+    from cluster.engine.worker.embedded import demo_8b
 
     if SMOKE:
         from cluster.engine.worker.loader import load_model

@@ -138,9 +138,9 @@ def step_times(engine, max_rows: int) -> dict:
 def main() -> int:
     from transformers import AutoTokenizer
 
-    from cluster.engine.worker.embedded import demo_8b
-    from cluster.engine.engine import Engine
     from cluster.engine.config import EngineConfig
+    from cluster.engine.engine import Engine
+    from cluster.engine.worker.embedded import demo_8b
 
     os.makedirs(OUT, exist_ok=True)
     R = {"device": torch.cuda.get_device_name()}

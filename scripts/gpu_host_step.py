@@ -33,11 +33,11 @@ def worker() -> None:
 
     from cluster.engine.config import EngineConfig
     from cluster.engine.drafters.ngram import NgramDrafter
-    from cluster.engine.worker.embedded import random_model
     from cluster.engine.engine import Engine
-    from cluster.engine.worker.loader import load_tokenizer
     from cluster.engine.sampling import SamplingParams
     from cluster.engine.scheduling.sequence import SpecParams
+    from cluster.engine.worker.embedded import random_model
+    from cluster.engine.worker.loader import load_tokenizer
 
     replays: list = []
     replay = torch.cuda.CUDAGraph.replay

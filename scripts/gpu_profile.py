@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from cluster.bench.synthetic import copy_bandwidth, cuda_time, NullTokenizer, random_llama
-from cluster.engine.engine import Engine
 from cluster.engine.config import EngineConfig
+from cluster.engine.engine import Engine
 
 OUT = os.environ.get("OUT", ".")
 

@@ -36,9 +36,9 @@ from cluster.bench.workloads import code_prompts, random_token_prompts
 from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.drafters.ngram import NgramDrafter
-from cluster.engine.worker.embedded import demo_8b
 from cluster.engine.engine import Engine
 from cluster.engine.scheduling.sequence import SpecParams
+from cluster.engine.worker.embedded import demo_8b
 from cluster.policy import SpeculationPolicyConfig, make_controller
 
 OUT = os.environ.get("OUT", ".")

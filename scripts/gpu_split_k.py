@@ -75,9 +75,9 @@ def main() -> int:
 def step_ab() -> int:
     from transformers import AutoTokenizer
 
-    from cluster.engine.worker.embedded import demo_8b
-    from cluster.engine.engine import Engine
     from cluster.engine.config import EngineConfig
+    from cluster.engine.engine import Engine
+    from cluster.engine.worker.embedded import demo_8b
     from gpu_bench import step_calls
 
     demo = Path(__file__).resolve().parents[1] / "cluster" / "models" / "demo"

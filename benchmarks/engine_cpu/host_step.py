@@ -94,8 +94,8 @@ def build_engine(max_seqs: int):
 
     from cluster.engine.config import EngineConfig
     from cluster.engine.drafters.ngram import NgramDrafter
-    from cluster.engine.worker.embedded import random_model
     from cluster.engine.engine import Engine
+    from cluster.engine.worker.embedded import random_model
     from cluster.engine.worker.loader import load_tokenizer
 
     torch.manual_seed(0)

@@ -63,7 +63,7 @@ class EngineConfig(BaseModel):
     (cluster/engine/spec/drafting.py). false turns both off."""
     mixed_prefill: bool = False
     """Run prompts' prefill chunks in the same pass as the decoding rows' verify rows, each
-    padded to its own width (cluster/engine/worker/mixed.py), instead of a prefill step during
+    padded to its own width (Runner.forward_mixed), instead of a prefill step during
     which every decoding sequence waits. The verify rows take the step's token budget first,
     the chunks what is left. Such a pass runs eager (no CUDA graph), and a tensor-parallel
     target keeps separate steps. Off by default: what it does to speed on a GPU has not been

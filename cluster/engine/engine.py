@@ -11,40 +11,35 @@ then keeps KV for the accepted tokens only: rolling back rejected drafts is movi
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from cluster.engine.worker import fp8
-from cluster.engine.spec.acceptance import Accepted, accept
-from cluster.engine.worker.attention import make_backend
-from cluster.engine.spec.aux_hidden import accepted_rows, keep_aux
 from cluster.engine.config import EngineConfig
+from cluster.engine.distributed.ranks import ParallelRunner
 from cluster.engine.drafters.base import Drafter, DraftOutput
-from cluster.engine.spec.drafting import DraftPlanner
-from cluster.engine.generate import run_to_completion
+from cluster.engine.generate import from_pretrained, run_to_completion
+from cluster.engine.logprobs import accepted_logprobs
+from cluster.engine.observation import StepObservation, observation
+from cluster.engine.requests import RequestLimits, validate_request
+from cluster.engine.sampling import InvalidRequest, SamplingParams
 from cluster.engine.scheduling.hashing import model_seed
 from cluster.engine.scheduling.kv_cache import KVCache
-from cluster.engine.worker.loader import DTYPES  # noqa: F401 - re-exported (serve/build)
-from cluster.engine.logprobs import accepted_logprobs
-from cluster.engine.worker.memory import num_kv_blocks
-from cluster.engine.worker.mixed import MixedSteps
-from cluster.engine.worker.model import CausalLM, compile_kernels
-from cluster.engine.observation import StepObservation, observation
-from cluster.engine.worker.pipeline import DecodePipeline
-from cluster.engine.distributed.ranks import ParallelRunner
-from cluster.engine.requests import RequestLimits, validate_request
-from cluster.engine.worker.runner import Runner
-from cluster.engine.sampling import InvalidRequest, SamplingParams
 from cluster.engine.scheduling.scheduler import Scheduler
 from cluster.engine.scheduling.sequence import RequestOutput, Sequence, SpecParams
+from cluster.engine.spec.acceptance import Accepted, accept
+from cluster.engine.spec.aux_hidden import accepted_rows, keep_aux
+from cluster.engine.spec.drafting import DraftPlanner
 from cluster.engine.stopping import Detokenizer
+from cluster.engine.worker import fp8
+from cluster.engine.worker.attention import make_backend
+from cluster.engine.worker.memory import num_kv_blocks
+from cluster.engine.worker.model import CausalLM, compile_kernels
+from cluster.engine.worker.pipeline import DecodePipeline
+from cluster.engine.worker.runner import Runner
 from cluster.engine.worker.tree import keep_path
-
-log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -88,14 +83,13 @@ class Engine:
             self.runner.calibrate(fp8.calibration_tokens(tokenizer))
         self.backend = model.backend.name
         self.pipeline = DecodePipeline(self.runner.graphs) if self.runner.graphs is not None else None
-        self.scheduler = Scheduler(cfg, self.kv)
-        self.mixer = MixedSteps(self) if cfg.mixed_prefill and self.runner.can_mix else None
+        self.scheduler = Scheduler(cfg, self.kv, mixed=cfg.mixed_prefill and self.runner.can_mix)
         self.drafters = drafters or {}
         self.default_drafter = default_drafter
         self.planner = DraftPlanner(self.drafters, default_drafter)
         self.startup["memory_s"] = time.perf_counter() - t_start  # the KV pool, sized by a pass (compiles)
         if p.device.type == "cuda" or self.runner.graphs is not None:  # compiled pieces, GEMV tuning and graphs now
-            self.runner.warm_up(mixed=self.mixer is not None)
+            self.runner.warm_up(mixed=self.scheduler.mixed)
             self.startup.update(getattr(self.runner, "warmup", None) or {})
             t = time.perf_counter()
             for d in self.drafters.values():
@@ -108,10 +102,10 @@ class Engine:
         self.on_verify: Callable[[object], None] | None = None  # StepObservation hook (metrics, autoscaling)
         self._ids = itertools.count()
         self._last_end: float | None = None  # end of the previous step, if it was a verify step
-        # seconds waiting for drafts / in verify passes (with acceptance) / in mixed ones (cluster.engine.worker.mixed);
-        # requests that ended by finishing (eos, stop, length) / by abort (the caller left)
-        self.totals = {"steps": 0, "prefill_steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0, "finished": 0, "aborted": 0,
-                       "draft_s": 0.0, "verify_s": 0.0, "mixed_steps": 0, "mixed_s": 0.0}
+        # seconds waiting for drafts / in verify passes (with acceptance) / in mixed ones (prompt
+        # chunks too); requests that ended by finishing (eos, stop, length) / by abort
+        self.totals = {"steps": 0, "prefill_steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0,
+                       "finished": 0, "aborted": 0, "draft_s": 0.0, "verify_s": 0.0, "mixed_steps": 0, "mixed_s": 0.0}
 
     @property
     def controller(self):
@@ -128,8 +122,6 @@ class Engine:
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str | None = "model",
                         cfg: EngineConfig | None = None) -> "Engine":
         """An engine over a Hugging Face target (and draft) directory (cluster.engine.generate)."""
-        from cluster.engine.generate import from_pretrained
-
         return from_pretrained(cls, target, draft, drafter, cfg or EngineConfig())
 
     def close(self) -> None:
@@ -179,15 +171,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         self.totals["steps"] += 1
-        rows, chunks = self.mixer.schedule() if self.mixer is not None else (None, self.scheduler.schedule_prefill())
+        rows, chunks = self.scheduler.schedule(self._gammas)
         obs = None
-        if chunks and rows:  # one pass for both (cluster.engine.worker.mixed)
-            touched, obs = self.mixer.run(rows, chunks)
-        elif chunks:  # prompts only: every decoding row waits a step (unless mixed_prefill)
-            self.totals["prefill_steps"] += 1
-            touched = self._prefill(chunks)
-        else:
-            touched, obs = self._verify(rows)
+        if rows:  # verify rows, and with mixed_prefill prompt chunks in the same pass
+            touched, obs = self._verify(rows, chunks)
+        else:  # prompts only (or nothing): every decoding row waits a step (unless mixed_prefill)
+            self.totals["prefill_steps"] += bool(chunks)
+            touched = self._prefill(chunks) if chunks else []
         outs = [self._output(s) for s in touched]
         end = time.perf_counter()
         if obs is not None:
@@ -196,9 +186,8 @@ class Engine:
         return outs
 
     def _observe(self, obs: StepObservation, start: float, end: float) -> None:
-        # A step's period runs from the end of the verify step before it, so the caller's work
-        # between steps counts (it is paid per step, and speculation saves steps). A prefill
-        # step in between, or a caller that idled longer than this step took, starts it afresh.
+        # A step's period runs from the end of the verify step before it: the caller's work between
+        # steps counts (speculation saves steps). After a prefill step or a longer idle, afresh.
         if self._last_end is not None and start - self._last_end < end - start:
             start = self._last_end
         obs.step_s = end - start
@@ -241,18 +230,19 @@ class Engine:
             out[s.seq_id] = max(0, min(g, gamma_max, self._left(s) - 1)) if g and has_drafter else 0
         return out
 
-    def _verify(self, rows: list[tuple[Sequence, int]] | None = None) -> tuple[list[Sequence], StepObservation | None]:
-        """A verify step over `rows` (None: scheduled here)."""
-        rows = self.scheduler.schedule_verify(self._gammas()) if rows is None else rows
-        if not rows:
-            return [], None
+    def _verify(self, rows: list[tuple[Sequence, int]], chunks: list[tuple[Sequence, int]]
+                ) -> tuple[list[Sequence], StepObservation]:
+        """Draft, one target pass, acceptance: over verify rows, and over prompt chunks in the
+        same pass where the scheduler mixed them in (eager: no CUDA graph covers a mixed pass).
+        Greedy plain rows on CUDA graphs run a step ahead instead (cluster.engine.worker.pipeline)."""
         seqs = [s for s, _ in rows]
         graphs = self._graphs_captured()
         t0 = time.perf_counter()
         drafts = self.planner.draft(rows)
         t1 = time.perf_counter()
         feeds = [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts.tokens)]
-        pipelined = self._pipelined(seqs, drafts)
+        pipelined = not chunks and self._pipelined(seqs, drafts)
+        first: list[Sequence] = []
         if pipelined:
             out = self.pipeline.step(seqs, launch_next=all(self._left(s) > 1 for s in seqs))
             pipelined = self.pipeline.hit
@@ -260,21 +250,32 @@ class Engine:
         else:
             if self.pipeline is not None:
                 self.pipeline.interrupt()
-            logits, hidden, aux = self.runner.forward([s.kv.row for s in seqs], [s.num_cached for s in seqs], feeds,
-                                                      last_only=False, trees=drafts.parents, hidden=True, aux=True)
+            verify = ([s.kv.row for s in seqs], [s.num_cached for s in seqs], feeds)
+            if chunks:
+                pre = [s for s, _ in chunks]
+                prefill = ([s.kv.row for s in pre], [s.num_cached for s in pre],
+                           [s.token_ids[s.num_cached:s.num_cached + n] for s, n in chunks])
+                passed, prefilled = self.runner.forward_mixed(verify, prefill, drafts.parents)
+            else:
+                passed = self.runner.forward(*verify, last_only=False, trees=drafts.parents, hidden=True, aux=True)
             if any(drafts.tokens):  # on a GPU the verify pass runs meanwhile
                 self.planner.ask_ahead(rows, drafts)
-            accepted, out = self._verified(seqs, drafts, logits, hidden, aux)
+            accepted, out = self._verified(seqs, drafts, *passed)
+            if chunks:
+                first = self._prefilled(chunks, *prefilled)
         t2 = time.perf_counter()
+        num_prefill = sum(n for _, n in chunks)
         self.totals["draft_s"] += t1 - t0
-        self.totals["verify_s"] += t2 - t1
+        self.totals["mixed_s" if chunks else "verify_s"] += t2 - t1
+        self.totals["mixed_steps"] += bool(chunks)
         num_draft = [len(d) for d in drafts.tokens]
-        obs = observation(len(seqs), sum(map(len, feeds)), t2 - t1, t1 - t0, num_draft, [len(o) - 1 for o in out],
-                          pipelined)
-        # a step that captured a CUDA graph (once per batch bucket and width, here or in the
-        # drafter) costs up to 50x a replay: not what speculating at this gamma costs
+        obs = observation(len(seqs), sum(map(len, feeds)) + num_prefill, t2 - t1, t1 - t0, num_draft,
+                          [len(o) - 1 for o in out], pipelined)
+        # not what verifying at this gamma costs (the controller skips them): a pass that took
+        # prompt chunks too, and one that captured a CUDA graph (up to 50x a replay)
+        obs.prefill_tokens = num_prefill
         obs.captured = self._graphs_captured() != graphs
-        return accepted, obs
+        return accepted + first, obs
 
     def _verified(self, seqs: list[Sequence], drafts: DraftOutput, logits, hidden, aux) -> tuple[list, list]:
         """Acceptance after a verify pass over [last token] + drafts rows: (sequences, their new tokens)."""
@@ -299,9 +300,8 @@ class Engine:
         """Greedy plain decoding on CUDA graphs runs a step ahead (cluster.engine.worker.pipeline);
         not where a drafter reads the target's hidden states, which that path skips."""
         return (self.pipeline is not None and not any(drafts.tokens) and self.pipeline.eligible(seqs)
-                and not any(d.reads_hidden for d in self.drafters.values())
-                and not any(self._reads_aux(s) for s in seqs)
-                and all(s.params.logprobs is None for s in seqs))  # it keeps no logits
+                and not any(d.reads_hidden for d in self.drafters.values())  # it keeps no logits:
+                and all(s.params.logprobs is None and not self._reads_aux(s) for s in seqs))
 
     def _reads_aux(self, seq: Sequence) -> bool:
         """This sequence's drafter reads the target's aux hidden states (EAGLE-3)."""

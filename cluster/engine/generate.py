@@ -9,10 +9,10 @@ from cluster.engine.sampling import SamplingParams
 
 
 def from_pretrained(engine_cls, target: str | Path, draft: str | Path | None, drafter: str | None, cfg):
+    from cluster.engine.distributed.ranks import start_ranks
     from cluster.engine.drafters.model import ModelDrafter
     from cluster.engine.drafters.ngram import NgramDrafter
     from cluster.engine.worker.loader import DTYPES, load_model, load_tokenizer
-    from cluster.engine.distributed.ranks import start_ranks
 
     dtype = DTYPES[cfg.dtype]
     group = start_ranks(str(target), cfg) if cfg.tensor_parallel_size > 1 else None

@@ -28,7 +28,7 @@ class StepObservation:
     # adds to a speculative one; what throughput is made of. 0: not measured.
     step_s: float = 0.0
     captured: bool = False  # the step captured a CUDA graph: its time is not a step's cost
-    # prompt tokens prefilled in the same pass (a mixed step, cluster.engine.worker.mixed): verify_s
+    # prompt tokens prefilled in the same pass (a mixed step, Scheduler.schedule): verify_s
     # and step_s include their cost, so the step's time is not what speculating costs
     prefill_tokens: int = 0
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from cluster.config import ClusterConfig, resolve_model_path
+from cluster.engine.distributed.ranks import start_ranks
 from cluster.engine.drafters.base import Drafter
 from cluster.engine.drafters.eagle3 import Eagle3Drafter
 from cluster.engine.drafters.eagle3_load import CONFIG as EAGLE3_CONFIG
@@ -22,10 +23,9 @@ from cluster.engine.drafters.medusa import HEADS_FILE, MedusaDrafter, has_heads
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.drafters.registry import DRAFTERS
-from cluster.engine.engine import DTYPES, Engine
-from cluster.engine.worker.loader import load_model, load_tokenizer
+from cluster.engine.engine import Engine
+from cluster.engine.worker.loader import DTYPES, load_model, load_tokenizer
 from cluster.engine.worker.model import CausalLM, compile_kernels
-from cluster.engine.distributed.ranks import start_ranks
 
 
 log = logging.getLogger(__name__)

@@ -25,10 +25,10 @@ import traceback
 import msgpack
 import zmq
 
+from cluster.engine.distributed.parallel import RankFailure
 from cluster.engine.engine import Engine
 from cluster.engine.logprobs import TokenLogprob
 from cluster.engine.observation import StepObservation
-from cluster.engine.distributed.parallel import RankFailure
 from cluster.engine.requests import RequestLimits
 from cluster.engine.sampling import InvalidRequest, SamplingParams
 from cluster.engine.scheduling.scheduler import QueueFull

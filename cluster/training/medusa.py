@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.engine.drafters.medusa import CONFIG_FILE, MedusaHeads, sparse_tree
+from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.engine.worker.loader import load_model, load_tokenizer
 from cluster.engine.worker.runner import Runner
 

@@ -16,10 +16,10 @@ numpy24_index()
 from cluster.engine.config import EngineConfig  # noqa: E402
 from cluster.engine.drafters.ngram import NgramDrafter  # noqa: E402
 from cluster.engine.engine import Engine  # noqa: E402
-from cluster.engine.scheduling.kv_cache import block_bytes  # noqa: E402
-from cluster.engine.worker.loader import load_model  # noqa: E402
 from cluster.engine.sampling import SamplingParams  # noqa: E402
+from cluster.engine.scheduling.kv_cache import block_bytes  # noqa: E402
 from cluster.engine.scheduling.sequence import SpecParams  # noqa: E402
+from cluster.engine.worker.loader import load_model  # noqa: E402
 
 PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "z", "the quick brown fox " * 3]
 

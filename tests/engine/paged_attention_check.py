@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gemv_check import interpreter_works, numpy24_index  # noqa: E402
 
 numpy24_index()
-from cluster.engine.worker import fp8 as fp8_kv  # noqa: E402
 from cluster.engine.scheduling.kv_cache import slot_index  # noqa: E402
+from cluster.engine.worker import fp8 as fp8_kv  # noqa: E402
 from cluster.engine.worker.paged_attention import paged_attention, write_kv  # noqa: E402
 
 

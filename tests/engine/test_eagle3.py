@@ -12,9 +12,9 @@ from cluster.engine.drafters.base import DraftRequest
 from cluster.engine.drafters.eagle3 import Eagle3Drafter
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.worker.loader import load_model
 from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.sequence import SpecParams
+from cluster.engine.worker.loader import load_model
 from tests.engine.eagle3_factory import random_head
 
 PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "z", "the quick brown fox " * 6]

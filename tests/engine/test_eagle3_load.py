@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from cluster.engine.worker.attention import AttnContext, make_backend
 from cluster.engine.drafters.eagle3_load import HeadFormatError, load_head, save_head
 from cluster.engine.scheduling.kv_cache import KVCache
+from cluster.engine.worker.attention import AttnContext, make_backend
 from cluster.engine.worker.loader import load_model
 from tests.engine.eagle3_factory import random_head
 

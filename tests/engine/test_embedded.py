@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine.worker.embedded import embed_llama
+from cluster.engine.config import EngineConfig
 from cluster.engine.engine import Engine
+from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.kv_cache import KVCache
+from cluster.engine.scheduling.sequence import SpecParams
+from cluster.engine.worker.embedded import embed_llama
 from cluster.engine.worker.loader import load_model
 from cluster.engine.worker.runner import Runner
-from cluster.engine.sampling import SamplingParams
-from cluster.engine.config import EngineConfig
-from cluster.engine.scheduling.sequence import SpecParams
 
 # a small stand-in for the 8B shape: wider, deeper, more heads, wider heads, more vocabulary
 BIG = dict(vocab_size=5000, hidden_size=512, num_hidden_layers=9, num_attention_heads=32,
@@ -121,8 +121,8 @@ def test_each_rank_builds_its_slice_of_the_embedded_model(demo_pair, size):
     """A tensor-parallel rank's embedded model is exactly its checkpoint slice
     (cluster.engine.worker.sharding) of the one-process model: a real layer, a padding layer, the
     vocabulary-split embedding and head (the last slice zero-padded), the replicated norm."""
-    from cluster.engine.worker.embedded import embed_llama_shard, hf_layer_weights
     from cluster.engine.distributed.parallel import Group
+    from cluster.engine.worker.embedded import embed_llama_shard, hf_layer_weights
     from cluster.engine.worker.sharding import local_shape, take, weight_slice
 
     small = load_model(demo_pair[0], torch.float32, "cpu")

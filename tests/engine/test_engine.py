@@ -5,13 +5,13 @@ import time
 import pytest
 import torch
 
+from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.worker.loader import load_model
 from cluster.engine.sampling import InvalidRequest, SamplingParams
-from cluster.engine.config import EngineConfig
 from cluster.engine.scheduling.sequence import SpecParams
+from cluster.engine.worker.loader import load_model
 from tests.factories import step_observation
 
 PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "z", "the quick brown fox " * 6]

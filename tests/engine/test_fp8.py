@@ -9,10 +9,10 @@ import torch
 
 from cluster.bench.workloads import code_prompts
 from cluster.config import parse_config
-from cluster.engine.worker import fp8
-from cluster.engine.sampling import SamplingParams
 from cluster.engine.config import EngineConfig
+from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.sequence import SpecParams
+from cluster.engine.worker import fp8
 from cluster.serve.build import build_engine
 
 ENGINE = {"max_num_seqs": 8, "max_model_len": 512}

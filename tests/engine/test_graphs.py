@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine.worker.capture import _EagerGraph, eager_on_cpu
 from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.eagle3 import Eagle3Drafter
 from cluster.engine.drafters.early_exit import EarlyExitDrafter
@@ -20,9 +19,10 @@ from cluster.engine.drafters.medusa import CHAIN, MedusaDrafter, MedusaHeads
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.worker.loader import load_model
 from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.sequence import SpecParams
+from cluster.engine.worker.capture import _EagerGraph, eager_on_cpu
+from cluster.engine.worker.loader import load_model
 from tests.engine.eagle3_factory import random_head
 
 PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "z", "the quick brown fox " * 6, "x = [1, 2, 3]\n"]

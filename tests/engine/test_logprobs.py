@@ -9,10 +9,10 @@ from cluster.engine.drafters.medusa import MedusaDrafter, MedusaHeads
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.worker.loader import load_model
 from cluster.engine.logprobs import emitted_logprobs
 from cluster.engine.sampling import InvalidRequest, SamplingParams
 from cluster.engine.scheduling.sequence import SpecParams
+from cluster.engine.worker.loader import load_model
 
 PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "the quick brown fox " * 4]
 TOL = 1e-4  # fp32: a (gamma+1)-token pass and a 1-token pass differ in summation order only

@@ -16,12 +16,12 @@ from cluster.engine.drafters.medusa import (
     sparse_tree,
     tree_parents,
 )
-from cluster.engine.worker.loader import load_model
-from cluster.engine.worker.runner import Runner
-from cluster.engine.sampling import SamplingParams
 from cluster.engine.config import EngineConfig
+from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.sequence import SpecParams
 from cluster.engine.spec.acceptance import accept_tree, walk
+from cluster.engine.worker.loader import load_model
+from cluster.engine.worker.runner import Runner
 from cluster.engine.worker.tree import keep_path, tree_layout
 
 PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "z", "the quick brown fox " * 6]

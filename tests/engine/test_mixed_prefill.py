@@ -10,11 +10,11 @@ from cluster.engine.drafters.eagle3 import Eagle3Drafter
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.engine import Engine
+from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.kv_cache import KVCache
+from cluster.engine.scheduling.sequence import SpecParams
 from cluster.engine.worker.loader import load_model
 from cluster.engine.worker.runner import Runner
-from cluster.engine.sampling import SamplingParams
-from cluster.engine.scheduling.sequence import SpecParams
 from tests.engine.eagle3_factory import random_head
 
 

@@ -9,14 +9,14 @@ eager, so the classes' signatures and bookkeeping are what the GPU runs.
 import pytest
 import torch
 
-from cluster.engine.worker.capture import eager_on_cpu
+from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.worker.loader import load_model
 from cluster.engine.sampling import SamplingParams
-from cluster.engine.config import EngineConfig
 from cluster.engine.scheduling.sequence import SpecParams
+from cluster.engine.worker.capture import eager_on_cpu
+from cluster.engine.worker.loader import load_model
 
 
 def make_engine(random_models, tokenizer, pipelined: bool) -> Engine:

@@ -16,15 +16,15 @@ import torch
 from safetensors.torch import load_file
 
 from cluster.engine.config import EngineConfig
+from cluster.engine.distributed.ranks import start_ranks
 from cluster.engine.drafters.early_exit import EarlyExitDrafter
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.worker.loader import load_model
-from cluster.engine.worker.model import ModelShape
-from cluster.engine.distributed.ranks import start_ranks
 from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.sequence import SpecParams
+from cluster.engine.worker.loader import load_model
+from cluster.engine.worker.model import ModelShape
 from cluster.engine.worker.sharding import kv_heads_of, local_shape, take, vocab_rows, weight_slice
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,7 +86,7 @@ def test_seeded_sampling_matches_one_process(single, split):
 def test_mixed_prefill_keeps_separate_steps_under_tensor_parallelism(split):
     """The followers' header describes one padded pass: rank 0's runner does not mix (the
     engine keeps prefill and verify steps apart there) and refuses a mixed pass outright."""
-    assert not split.runner.can_mix and split.mixer is None
+    assert not split.runner.can_mix and not split.scheduler.mixed
     with pytest.raises(NotImplementedError):
         split.runner.forward_mixed(([0], [0], [[1]]), ([1], [0], [[1, 2]]))
 

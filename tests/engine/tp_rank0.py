@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 
 from cluster.engine.config import EngineConfig
+from cluster.engine.distributed.ranks import follow, start_ranks
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.worker.loader import load_model
-from cluster.engine.distributed.ranks import follow, start_ranks
 from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.sequence import SpecParams
+from cluster.engine.worker.loader import load_model
 from tests.engine.conftest import CharTokenizer
 
 PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "the quick brown fox " * 6]

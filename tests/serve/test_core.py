@@ -23,12 +23,12 @@ import torch
 import zmq
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.engine import Engine
-from cluster.engine.worker.loader import load_model
 from cluster.engine.distributed.parallel import RankFailure
+from cluster.engine.engine import Engine
 from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.scheduler import QueueFull
 from cluster.engine.scheduling.sequence import SpecParams
+from cluster.engine.worker.loader import load_model
 from cluster.serve.core import CoreLoop, bind_pair, engine_info
 from cluster.serve.core_client import CoreClient
 from tests.engine.conftest import CharTokenizer

@@ -215,10 +215,10 @@ def test_direct_calls_send_only_new_tokens_and_resync_after_eviction(demo_pair):
     import torch
 
     from cluster.config import parse_config
+    from cluster.engine.scheduling.sequence import SpecParams
     from cluster.serve.build import build_engine
     from cluster.serve.draft_rpc import DraftServer
     from cluster.serve.drafter import DrafterDeployment
-    from cluster.engine.scheduling.sequence import SpecParams
 
     torch.manual_seed(0)
     cfg = parse_config({"models": {"target": str(demo_pair[0]), "draft": str(demo_pair[1]), "device": "cpu"},

@@ -27,10 +27,10 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from cluster.engine.distributed.parallel import Group, RankFailure, free_port, init_group
+from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.engine.worker import fp8
 from cluster.engine.worker.attention import AttnContext
-from cluster.engine.scheduling.kv_cache import KVCache
-from cluster.engine.distributed.parallel import Group, RankFailure, free_port, init_group
 from cluster.engine.worker.runner import Runner
 from cluster.engine.worker.tree import tree_layout
 

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine.worker.attention import AttnContext, make_backend
-from cluster.engine.worker.capture import for_device as capture_for
 from cluster.engine.drafters.base import TOPK, Drafter, DraftOutput, DraftRequest, draft_generator, empty_rows
 from cluster.engine.drafters.eagle3_head import Eagle3Head
-from cluster.engine.scheduling.kv_cache import KVCache, KVHandle
 from cluster.engine.sampling import target_probs
+from cluster.engine.scheduling.kv_cache import KVCache, KVHandle
+from cluster.engine.worker.attention import AttnContext, make_backend
+from cluster.engine.worker.capture import for_device as capture_for
 
 BLOCK = 16  # tokens per block of the head's cache
 

@@ -1,8 +1,11 @@
 """Admission, KV blocks and the choice of what runs next.
 
 Prefill chunks go first (they bound time to first token); otherwise every running sequence
-takes one verify row of gamma+1 tokens. With mixed_prefill both share one step: the verify
-rows first, the chunks within what they leave of the budget (cluster.engine.worker.mixed). A step
+takes one verify row of gamma+1 tokens. With mixed_prefill both share one step and one pass
+(Runner.forward_mixed: each a segment padded only to its own width, so a 256-token chunk does
+not pad 5-token verify rows and the weights are read once): the verify rows first, with their
+full gammas, the chunks within what they leave of the budget; where the rows would take it
+all the step prefills only, so prompts are never starved. A step
 is measured in verify tokens (sum of gamma+1 over rows plus prefill tokens) under
 `max_batch_tokens`: that is speculation-aware batching, so a batch with long drafts holds
 fewer sequences than one decoding plainly.
@@ -19,10 +22,14 @@ what it emits.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.engine.scheduling.sequence import Sequence, Status
+
+
+Rows = list[tuple[Sequence, int]]  # (sequence, gamma) verify rows, or (sequence, length) chunks
 
 
 class QueueFull(RuntimeError):
@@ -30,9 +37,11 @@ class QueueFull(RuntimeError):
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, kv: KVCache):
+    def __init__(self, cfg: EngineConfig, kv: KVCache, mixed: bool | None = None):
         self.cfg = cfg
         self.kv = kv
+        # prompt chunks and verify rows in one step (cfg.mixed_prefill, where the runner can)
+        self.mixed = cfg.mixed_prefill if mixed is None else mixed
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -101,6 +110,23 @@ class Scheduler:
                 seq.stats.prefix_hit_tokens = hit
                 self.prefix_hit_tokens += hit
             self.running.append(seq)
+
+    def schedule(self, gammas: Callable[[], dict[str, int]]) -> tuple[Rows, Rows]:
+        """(verify rows, prefill chunks) for the next step: chunks alone, rows alone, or with
+        mixed_prefill both. `gammas` is asked only where rows are scheduled."""
+        if not self.mixed or not any(s.prefilled for s in self.running):
+            chunks = self.schedule_prefill()
+            return ([], chunks) if chunks else (self.schedule_verify(gammas()), [])
+        if not self.waiting and all(s.prefilled for s in self.running):
+            return self.schedule_verify(gammas()), []
+        g = gammas()
+        if sum(x + 1 for x in g.values()) >= self.cfg.max_batch_tokens:  # no room for a chunk
+            chunks = self.schedule_prefill()
+            return ([], chunks) if chunks else (self.schedule_verify(g), [])
+        rows = self.schedule_verify(g)
+        chunks = self.schedule_prefill(self.cfg.max_batch_tokens - sum(x + 1 for _, x in rows))
+        # a chunk's blocks may have preempted a newer row already scheduled
+        return [(s, x) for s, x in rows if s.kv is not None], chunks
 
     def schedule_prefill(self, budget: int | None = None) -> list[tuple[Sequence, int]]:
         """(sequence, chunk length) for sequences still catching up on their prompt, within

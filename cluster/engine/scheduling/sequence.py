@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.engine.scheduling.kv_cache import KVHandle
 from cluster.engine.logprobs import TokenLogprob
 from cluster.engine.sampling import SamplingParams
+from cluster.engine.scheduling.kv_cache import KVHandle
 
 
 class Status(enum.Enum):

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cluster.engine.worker import fp8
 from cluster.engine.scheduling.kv_cache import slot_index
+from cluster.engine.worker import fp8
 
 log = logging.getLogger(__name__)
 

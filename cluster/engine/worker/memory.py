@@ -14,9 +14,9 @@ import logging
 
 import torch
 
+from cluster.engine.scheduling.kv_cache import KVCache, block_bytes
 from cluster.engine.worker.attention import AttnContext
 from cluster.engine.worker.graphs import BUCKETS, bucket
-from cluster.engine.scheduling.kv_cache import KVCache, block_bytes
 
 log = logging.getLogger(__name__)
 GIB = 2**30

@@ -7,10 +7,10 @@ import time
 
 import torch
 
+from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.engine.worker import fp8
 from cluster.engine.worker.attention import AttnContext, Segment, make_backend
 from cluster.engine.worker.capture import for_device as capture_for
-from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.engine.worker.model import CausalLM
 from cluster.engine.worker.tree import tree_layout
 
