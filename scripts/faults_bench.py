@@ -71,7 +71,7 @@ def outage(client, args, bar) -> dict:
     from ray import serve
 
     from cluster.bench.workloads import code_prompts
-    from tests.serve.chaos import kill_replica
+    from cluster.bench.chaos import kill_replica
 
     verifier = serve.get_deployment_handle("Verifier", APP)
     load = Load(client, code_prompts(32, seed=3), args.streams, args.max_tokens)

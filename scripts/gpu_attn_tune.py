@@ -16,7 +16,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-OUT = os.environ.get("OUT", ".")
+from cluster.bench.harness import OUT
+
 H, HKV, D, LAYERS = 32, 8, 128, 32
 
 

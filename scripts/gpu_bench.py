@@ -16,54 +16,36 @@ every weight of the 8B shape is read each step, the function is the demo target'
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import re
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from cluster.bench.synthetic import copy_bandwidth, cuda_time
+from cluster.bench import harness
+from cluster.bench.harness import DEMO, OUT, copy_bandwidth, cuda_time, decode_rate, drop_ids, step_calls, write_json
 from cluster.bench.workloads import code_prompts
 from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.base import DraftRequest
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.drafters.ngram import NgramDrafter
 from cluster.engine.engine import Engine
-from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.engine.scheduling.sequence import SpecParams
 from cluster.engine.worker.attention import AttnContext, SdpaBackend, make_backend
 from cluster.engine.worker.embedded import demo_8b
 from cluster.policy import SpeculationPolicyConfig, make_controller
 
-OUT = os.environ.get("OUT", ".")
-DEMO = Path(__file__).resolve().parents[1] / "cluster" / "models" / "demo"
-T0 = time.time()
 
 
 def log(*a, R: dict | None = None):
     """Print a result line; with R, also rewrite gpu_bench.json with everything so far, so a
     run cut short (the device's 10-minute limit) keeps what it measured."""
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+    harness.log(*a)
     if R is not None and os.environ.get("SWEEP_ONLY") != "1":
-        os.makedirs(OUT, exist_ok=True)
-        with open(os.path.join(OUT, "gpu_bench.json"), "w") as f:
-            f.write(dumps({**R, "partial": True}))
-
-
-def decode_rate(engine, prompts, spec, drafter=None, new=256) -> dict:
-    res = engine.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True), spec, drafter)
-    toks = sum(len(r["token_ids"]) - 1 for r in res)  # after the first token: decode only
-    secs = max((r["timing"]["total_ms"] - r["timing"]["ttft_ms"]) / 1e3 for r in res)
-    d = sum(r["spec"]["drafted"] for r in res)
-    a = sum(r["spec"]["accepted"] for r in res)
-    vs = sum(r["spec"]["verify_steps"] for r in res)
-    return {"tokens_per_s": toks / secs, "acceptance_rate": a / d if d else 0.0,
-            "mean_accepted_len": (a + vs) / vs if vs else 1.0, "token_ids": [r["token_ids"] for r in res]}
+        write_json({**R, "partial": True}, "gpu_bench.json")
 
 
 def agreement(engine, prompt: list[int], spec: list[int], plain: list[int]) -> dict:
@@ -95,10 +77,6 @@ def gemv_configs() -> dict:
     from cluster.engine.worker.gemv import _gemv
 
     return {str(k[:4]): str(c) for k, c in getattr(_gemv, "cache", {}).items()}
-
-
-def drop_ids(d: dict) -> dict:
-    return {k: v for k, v in d.items() if k != "token_ids"}
 
 
 def draft_time(drafter: ModelDrafter, ids: list[int], gamma: int) -> float:
@@ -227,17 +205,6 @@ def main() -> int:
     return sweep_only(engine, prompts, R)
 
 
-def step_calls(engine, ctx_ids: list[int], widths) -> tuple[int, dict]:
-    """A sequence holding `ctx_ids` and, per width w, a call that runs one w-token step after
-    them (a decode step at 1, a gamma = w - 1 verify; CUDA-graph replays once captured). The
-    steps write past the context and never advance it: each call times the same step."""
-    h = engine.kv.open()
-    n = len(ctx_ids)
-    engine.kv.grow(h, n + max(widths))
-    engine.runner.forward([h.row], [0], [ctx_ids], last_only=True)
-    return h, {w: (lambda w=w: engine.runner.forward([h.row], [n], [[5] * w], last_only=False)) for w in widths}
-
-
 def watch_steps(engine) -> None:
     """A step that runs past 10 s dumps every thread's Python stack to $OUT/stall_stacks.txt:
     where the host waits (on the GPU, or in Python) when a step stalls."""
@@ -307,7 +274,7 @@ def sweep_only(engine, prompts, R) -> int:
     rng = random.Random(5)
     lengths = [fixed_len or rng.randint(64, 192) for _ in range(max(8, 4 * max(levels)))]
     for c in levels:
-        if time.time() - T0 > 480:
+        if time.time() - harness.T0 > 480:
             log("time budget reached; sweep stops at", c)
             break
         reqs = [prompts[i % len(prompts)] for i in range(max(8, 4 * c))]
@@ -371,20 +338,11 @@ def profiled(name: str, fn):
     return out
 
 
-def dumps(R: dict) -> str:
-    """Indented JSON with each list of numbers on one line: a per-step trace row is one line,
-    not nine (the traces of a full run are ~5000 rows)."""
-    flat = lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]"  # noqa: E731
-    return re.sub(r"\[\s+([-+\d.eE,\s]+?)\s+\]", flat, json.dumps(R, indent=2))
-
-
 def _write(R: dict, name: str) -> int:
     from cluster.engine.worker import gemv
 
     R["gemv_max_rows"] = gemv.MAX_ROWS  # 1: multi-row projections (verify) on cuBLAS
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, name), "w") as f:
-        f.write(dumps(R))
+    write_json(R, name)
     log("done")
     return 0
 

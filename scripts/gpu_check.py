@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from cluster.bench.synthetic import copy_bandwidth, cuda_time, random_llama
+from cluster.bench.harness import copy_bandwidth, cuda_time
+from cluster.bench.synthetic import random_llama
 from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.engine.worker.attention import Fa3Backend, SdpaBackend, make_backend
 from cluster.engine.worker.model import CausalLM

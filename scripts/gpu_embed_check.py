@@ -21,9 +21,9 @@ from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.sequence import SpecParams
 from cluster.engine.worker.embedded import demo_8b
 from cluster.engine.worker.loader import load_model
+from cluster.bench.harness import OUT
 
 DEMO = Path(__file__).resolve().parents[1] / "cluster" / "models" / "demo"
-OUT = os.environ.get("OUT", ".")
 
 
 def run(target, draft, tok, **kw):

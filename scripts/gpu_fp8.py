@@ -21,48 +21,43 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_bench import DEMO, decode_rate, drop_ids, dumps  # noqa: E402
+from cluster.bench.harness import DEMO, cuda_time, decode_rate, drop_ids, log, write_json
 
-OUT = os.environ.get("OUT", ".")
-T0 = time.time()
 SMOKE = os.environ.get("SMOKE") == "1"  # the small demo pair on CPU: checks the script, not the numbers
 CTX, BATCH, DEV = (256, 4, "cpu") if SMOKE else (4096, 32, "cuda")
-
-
-def log(*a):
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
 def teacher_forced(engine, seqs: list[list[int]]) -> list[torch.Tensor]:
     """Log-probabilities [T, V] at every position of each sequence (one prefill each, on CPU)."""
     out = []
     for ids in seqs:
-        slot = engine.kv.allocate()
+        h = engine.kv.open()
         try:
-            out.append(engine.runner.forward([slot], [0], [ids], last_only=False)[0].log_softmax(-1).cpu())
+            engine.kv.grow(h, len(ids))
+            out.append(engine.runner.forward([h.row], [0], [ids], last_only=False)[0].log_softmax(-1).cpu())
         finally:
-            engine.kv.free(slot)
+            engine.kv.close(h)
     return out
 
 
 def step_ms(engine, batch: int, width: int, ctx: int) -> float:
     """Median ms of one step (graph replay) with `ctx` tokens cached in each of `batch` slots
     (the cache's contents do not change the kernels' work)."""
-    from cluster.bench.synthetic import cuda_time
+    def wall(fn):
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
 
-    if SMOKE:
-        def cuda_time(fn):
-            t = time.perf_counter()
-            fn()
-            return time.perf_counter() - t
-    slots = [engine.kv.allocate() for _ in range(batch)]
-    run = lambda: engine.runner.forward(slots, [ctx] * batch, [[5] * width] * batch, last_only=False)  # noqa: E731
+    handles = [engine.kv.open() for _ in range(batch)]
+    for h in handles:
+        engine.kv.grow(h, ctx + width)
+    rows = [h.row for h in handles]
+    run = lambda: engine.runner.forward(rows, [ctx] * batch, [[5] * width] * batch, last_only=False)  # noqa: E731
     try:
-        return 1e3 * cuda_time(run)
+        return 1e3 * (wall if SMOKE else cuda_time)(run)
     finally:
-        for s in slots:
-            engine.kv.free(s)
+        for h in handles:
+            engine.kv.close(h)
 
 
 def measure(kv_dtype: str, target, draft, tok, prompts, seqs) -> dict:
@@ -81,7 +76,7 @@ def measure(kv_dtype: str, target, draft, tok, prompts, seqs) -> dict:
          "kv_bytes_per_token": 2 * target.shape.layers * target.shape.kv_heads * target.shape.head_dim
          * engine.kv.k.element_size()}
     if engine.kv.scales is not None:
-        r["scales_qkv"] = engine.kv.scales[:, :, 0, 0].tolist()
+        r["scales_qkv"] = engine.kv.scales.tolist()  # per layer: q, k, v
     log(kv_dtype, "engine up", r["start_s"])
     r["logprobs"] = teacher_forced(engine, seqs)
     one = prompts[:1]
@@ -141,10 +136,7 @@ def main() -> int:
     R["fp8_over_bf16_step"] = {k: res["fp8"]["step_ms"][k] / res["auto"]["step_ms"][k] for k in res["fp8"]["step_ms"]}
     log("teacher forced", R["teacher_forced"], "greedy first difference", R["greedy_first_difference"])
     log("fp8/bf16 step", R["fp8_over_bf16_step"])
-    os.makedirs(OUT, exist_ok=True)
-    path = Path(OUT, "fp8.json")
-    path.write_text(dumps(R))
-    plot(path)
+    plot(write_json(R, "fp8.json"))
     return 0
 
 

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cluster.bench.synthetic import copy_bandwidth, cuda_time  # noqa: E402
+from cluster.bench.harness import copy_bandwidth, cuda_time  # noqa: E402
 from cluster.engine.worker import gemv, model  # noqa: E402
+from cluster.bench.harness import OUT  # noqa: E402
 
-OUT = os.environ.get("OUT", ".")
 DEMO = Path(__file__).resolve().parents[1] / "cluster" / "models" / "demo"
 # name: (N, K, prologue, residual) as the 8B model calls them
 SHAPES = {"qkv": (6144, 4096, "rmsnorm", False), "o": (4096, 4096, "none", True),

@@ -19,10 +19,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from cluster.bench.synthetic import cuda_time
+from cluster.bench.harness import cuda_time
 from cluster.engine.worker.paged_attention import num_splits, paged_attention
+from cluster.bench.harness import OUT
 
-OUT = os.environ.get("OUT", ".")
 H, HKV, D, BS = 32, 8, 128, 16
 DEV = "cuda"
 

@@ -17,11 +17,12 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from cluster.bench.synthetic import copy_bandwidth, cuda_time, NullTokenizer, random_llama
+from cluster.bench.harness import copy_bandwidth, cuda_time
+from cluster.bench.synthetic import NullTokenizer, random_llama
 from cluster.engine.config import EngineConfig
 from cluster.engine.engine import Engine
+from cluster.bench.harness import OUT
 
-OUT = os.environ.get("OUT", ".")
 
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096),

@@ -21,17 +21,15 @@ PARTS (comma-separated, default all):
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from cluster.bench.load import run_engine, summarise
-from cluster.bench.synthetic import copy_bandwidth, cuda_time
+from cluster.bench.harness import DEMO, copy_bandwidth, log, matmul_rate, roofline, write_json
 from cluster.bench.workloads import code_prompts, random_token_prompts
 from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.model import ModelDrafter
@@ -41,14 +39,7 @@ from cluster.engine.scheduling.sequence import SpecParams
 from cluster.engine.worker.embedded import demo_8b
 from cluster.policy import SpeculationPolicyConfig, make_controller
 
-OUT = os.environ.get("OUT", ".")
-DEMO = Path(__file__).resolve().parents[1] / "cluster" / "models" / "demo"
-T0 = time.time()
 REPLAYS: list = []  # (start, end) CUDA events of every graph replay
-
-
-def log(*a):
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
 def time_replays() -> None:
@@ -74,21 +65,6 @@ def measured(engine, fn) -> tuple[dict, dict]:
     gpu = sum(a.elapsed_time(b) for a, b in REPLAYS) / 1e3
     steps = engine.totals["steps"] - steps0
     return out, {"steps": steps, "graph_gpu_s": gpu, "wall_s": wall, "host_ms_per_step": 1e3 * (wall - gpu) / max(steps, 1)}
-
-
-def matmul_rate() -> float:
-    a = torch.randn((8192, 8192), dtype=torch.bfloat16, device="cuda")
-    return 2 * 8192**3 / cuda_time(lambda: a @ a, 10)
-
-
-def roofline(prompt_lens: list[int], out_lens: list[int], c: int, R: dict) -> float:
-    """Output tokens per second if prefill ran at the matmul rate and every decode step read
-    the weights and the live sequences' KV at copy bandwidth (c streams, plain decoding)."""
-    prefill = sum(2 * R["param_count"] * p for p in prompt_lens) / R["matmul_flops"]
-    steps = sum(out_lens) / c
-    ctx = sum(p + o / 2 for p, o in zip(prompt_lens, out_lens)) / len(prompt_lens)
-    step_bytes = R["param_bytes"] + c * ctx * R["kv_bytes_per_token"]
-    return sum(out_lens) / (prefill + steps * step_bytes / R["copy_bandwidth"])
 
 
 def sweep(engine, R: dict) -> None:
@@ -177,9 +153,7 @@ def prefix(engine, R: dict) -> None:
 
 
 def write(R: dict) -> None:
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, os.environ.get("NAME", "gpu_scale") + ".json"), "w") as f:
-        json.dump(R, f, indent=1, default=str)
+    write_json(R, os.environ.get("NAME", "gpu_scale") + ".json")
 
 
 def main() -> int:

@@ -22,7 +22,6 @@ import os
 import time
 import traceback
 import urllib.request
-from pathlib import Path
 
 import torch
 
@@ -30,10 +29,9 @@ from cluster.config import parse_config
 from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.sequence import SpecParams
 from cluster.serve.build import build_engine
+from cluster.bench.harness import OUT, log
 
-OUT = Path(os.environ.get("OUT", "."))
 PARTS = os.environ.get("PARTS", "start,8b,demo,tree,mixed,fp8,preempt,serve,tp").split(",")
-T0 = time.time()
 RESULTS: dict[str, dict] = {}
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\ndef main(argv):\n", "class Stack:\n    def __init__(self",
            "for i in range(10):\n    print(", "    def __repr__(self):\n        return"]
@@ -41,10 +39,6 @@ GREEDY = SamplingParams(max_tokens=64, ignore_eos=True)
 CACHE = os.environ.get("COMPILE_CACHE", "/tmp/spec-cluster-compile")
 DEVICE = os.environ.get("DEVICE", "cuda")
 GPU = DEVICE == "cuda"
-
-
-def log(*a) -> None:
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
 def check(name: str, fn) -> None:

@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_gemm_rows  # noqa: E402
 from gpu_gemm_rows import cublas, sweep, tuned_configs  # noqa: E402
 
-from cluster.bench.synthetic import copy_bandwidth, cuda_time  # noqa: E402
+from cluster.bench.harness import copy_bandwidth, cuda_time, step_calls, triton_interpreter_numpy24  # noqa: E402
 from cluster.engine.worker import gemv  # noqa: E402
+from cluster.bench.harness import OUT  # noqa: E402
 
-OUT = os.environ.get("OUT", ".")
 # SMOKE=1 (with TRITON_INTERPRET=1 GEMV_CONFIGS=one): a tiny shape on CPU, to check the script
 SMOKE = os.environ.get("SMOKE") == "1"
 DEV, DT = ("cpu", torch.float32) if SMOKE else ("cuda", torch.bfloat16)
@@ -35,10 +35,7 @@ DEV, DT = ("cpu", torch.float32) if SMOKE else ("cuda", torch.bfloat16)
 
 def main() -> int:
     if SMOKE:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
-        from gemv_check import numpy24_index
-
-        numpy24_index()  # the interpreter under numpy >= 2.4, as the CPU test runs it
+        triton_interpreter_numpy24()  # the interpreter under numpy >= 2.4, as the CPU test runs it
         gpu_gemm_rows.graph_time = lambda fn, copies: (fn(0), 1e-3)[1]
     n, k = (40, 1024) if SMOKE else (4096, 14336)
     bw = 1e12 if SMOKE else copy_bandwidth()
@@ -78,7 +75,6 @@ def step_ab() -> int:
     from cluster.engine.config import EngineConfig
     from cluster.engine.engine import Engine
     from cluster.engine.worker.embedded import demo_8b
-    from gpu_bench import step_calls
 
     demo = Path(__file__).resolve().parents[1] / "cluster" / "models" / "demo"
     target, _ = demo_8b(demo / "target", demo / "draft")

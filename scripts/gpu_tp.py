@@ -33,26 +33,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import decode_rate, drop_ids, dumps, step_calls  # noqa: E402
-from gpu_scale import matmul_rate, roofline  # noqa: E402
+from cluster.bench.harness import (copy_bandwidth, cuda_time, decode_rate, drop_ids, dumps, log, matmul_rate, roofline,
+                                    step_calls)
+from cluster.bench.load import run_engine, summarise
+from cluster.bench.workloads import code_prompts
+from cluster.config import ClusterConfig, resolve_model_path
+from cluster.engine.drafters.base import DraftRequest
+from cluster.engine.scheduling.sequence import SpecParams
+from cluster.policy import SpeculationPolicyConfig, make_controller
 
-from cluster.bench.load import run_engine, summarise  # noqa: E402
-from cluster.bench.synthetic import copy_bandwidth, cuda_time  # noqa: E402
-from cluster.bench.workloads import code_prompts  # noqa: E402
-from cluster.config import ClusterConfig, resolve_model_path  # noqa: E402
-from cluster.engine.drafters.base import DraftRequest  # noqa: E402
-from cluster.engine.scheduling.sequence import SpecParams  # noqa: E402
-from cluster.policy import SpeculationPolicyConfig, make_controller  # noqa: E402
-
-T0 = time.time()
 # --cpu-smoke: the 70B construction (64 q heads over 8 KV heads of 128 dims, the 128k
 # vocabulary) at the demo's 6 layers and a 512-wide residual stream, as tests/engine/test_embedded.py
 SMOKE = {"hidden_size": 512, "num_hidden_layers": 6, "intermediate_size": 1024, "head_dim": 128}
-
-
-def log(*a):
-    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
 
 
 def timed(fn, iters: int) -> float:

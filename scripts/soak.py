@@ -135,7 +135,7 @@ def main() -> int:
 
     from cluster.config import parse_config
     from cluster.kvdir.embedded import free_port, start_local_server
-    from tests.serve import chaos
+    from cluster.bench import chaos
     from cluster.serve.launch import run_app, start_serve
 
     refs = reference()

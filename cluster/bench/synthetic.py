@@ -25,25 +25,3 @@ class NullTokenizer:
 
     def decode(self, ids, skip_special_tokens=True) -> str:
         return ""
-
-
-def cuda_time(fn, iters: int = 30) -> float:
-    """Median seconds per call, timed with CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def copy_bandwidth() -> float:
-    """Device copy bandwidth in bytes/s (read + write), the denominator of the decode ceiling."""
-    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / cuda_time(lambda: y.copy_(x), 20)

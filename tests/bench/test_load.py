@@ -43,7 +43,7 @@ def test_load_sweep_through_the_openai_endpoint(serve_ports, demo_pair, tmp_path
     from cluster.bench.load import main
     from cluster.config import parse_config
     from cluster.serve.launch import run_app
-    from tests.serve.chaos import wait_idle
+    from cluster.bench.chaos import wait_idle
 
     app = "bench-oai"
     run_app(parse_config({

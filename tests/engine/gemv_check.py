@@ -23,22 +23,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from cluster.bench.harness import triton_interpreter_numpy24  # noqa: E402
+
 K, N, EPS = 256, 40, 1e-5  # N = 40: the last BLOCK_N = 16 tile is part masked
 
 
-def numpy24_index():
-    """Triton 3.6's interpreter turns a scalar into an int by int(1-element array), which
-    numpy >= 2.4 refuses (`range(K // BLOCK_K)` fails): the upstream fix
-    (triton-lang/triton#9171, #9172)."""
-    from triton.runtime import interpreter
-
-    patch = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched
+numpy24_index = triton_interpreter_numpy24  # the interpreter's numpy >= 2.4 fix, shared with scripts
 
 
 def interpreter_works() -> bool:

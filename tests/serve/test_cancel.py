@@ -19,7 +19,7 @@ import pytest
 from cluster.client import build_request
 from cluster.config import parse_config
 from cluster.proto import generation_pb2_grpc as pb_grpc
-from tests.serve.chaos import verifier_stats, wait_idle
+from cluster.bench.chaos import verifier_stats, wait_idle
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")

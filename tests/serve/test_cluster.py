@@ -18,7 +18,7 @@ from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.sequence import SpecParams
 from cluster.serve.build import build_engine
 from tests.conftest import HOPPER
-from tests.serve.chaos import run_concurrently, wait_until
+from cluster.bench.chaos import run_concurrently, wait_until
 from tests.serve.test_listen import listening
 
 PROMPTS = ["import os\nimport sys\n\ndef main(", "class Config:\n    def __init__(self", "for i in range(",

@@ -15,7 +15,7 @@ import ray
 from cluster.client import Client
 from cluster.config import parse_config
 from cluster.serve.core_actor import CORE_NAMESPACE, CORE_PREFIX
-from tests.serve.chaos import kill_replica, plain_tokens, replica_ids, serve_state, wait_healthy, wait_until
+from cluster.bench.chaos import kill_replica, plain_tokens, replica_ids, serve_state, wait_healthy, wait_until
 
 pytestmark = pytest.mark.slow
 

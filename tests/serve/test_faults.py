@@ -24,7 +24,7 @@ import redis
 from cluster.client import Client
 from cluster.config import parse_config
 from cluster.kvdir.embedded import free_port, start_local_server
-from tests.serve.chaos import (
+from cluster.bench.chaos import (
     drafter_sequences,
     kill_replica,
     plain_tokens,

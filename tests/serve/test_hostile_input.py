@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from cluster.client import Client, build_request
 from cluster.config import parse_config
 from cluster.proto import generation_pb2 as pb
-from tests.serve.chaos import wait_idle
+from cluster.bench.chaos import wait_idle
 
 APP, KEY = "hostile", "k-test-1"
 METHOD = "/speccluster.v1.Generation/Generate"

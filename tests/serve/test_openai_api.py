@@ -13,7 +13,7 @@ import pytest
 
 from cluster.client import Client
 from cluster.config import parse_config
-from tests.serve.chaos import run_concurrently, wait_idle
+from cluster.bench.chaos import run_concurrently, wait_idle
 
 openai = pytest.importorskip("openai")
 

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from cluster.config import parse_config
-from tests.serve.chaos import kill_replica, replica_ids, verifier_stats, wait_healthy, wait_idle, wait_until
+from cluster.bench.chaos import kill_replica, replica_ids, verifier_stats, wait_healthy, wait_idle, wait_until
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 from cluster.client import build_request
 from cluster.config import parse_config
 from cluster.proto import generation_pb2_grpc as pb_grpc
-from tests.serve.chaos import verifier_stats, wait_idle, wait_until
+from cluster.bench.chaos import verifier_stats, wait_idle, wait_until
 
 pytestmark = pytest.mark.slow
 

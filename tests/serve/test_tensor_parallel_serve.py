@@ -18,7 +18,7 @@ import ray
 
 from cluster.client import Client
 from cluster.config import parse_config
-from tests.serve.chaos import PREFIX, plain_tokens, replica_ids, wait_healthy, wait_idle, wait_until
+from cluster.bench.chaos import PREFIX, plain_tokens, replica_ids, wait_healthy, wait_idle, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,5 @@
-"""Fault injection and leak checks for a running app: the fault tests and scripts/soak.py.
-Test tooling, so not in the package: tests import it as `tests.serve.chaos` (pytest puts
-the repository root on sys.path, pyproject `pythonpath`), and scripts/soak.py puts it there too.
+"""Fault injection and leak checks for a running app: the fault tests, scripts/soak.py and
+scripts/faults_bench.py.
 
 Serve names each replica actor `SERVE_REPLICA::<app>#<deployment>#<replica id>` in the
 `serve` namespace (ray.serve._private.common.ReplicaID.to_full_id_str), so a replica can be

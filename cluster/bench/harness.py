@@ -1,0 +1,129 @@
+"""What every benchmark script shares: its output folder, timestamped log lines, JSON results
+written as they come (a run cut short keeps what it measured), GPU timers and rates, the
+roofline, and the demo pair at the 8B shape. scripts/ holds thin entry points over this.
+
+    from cluster.bench.harness import OUT, log, write_json, cuda_time
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+OUT = Path(os.environ.get("OUT", "."))  # the device tool brings back what lands here
+DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
+T0 = time.time()
+
+
+def log(*a) -> None:
+    """A line with the seconds since the script started."""
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def dumps(R: dict) -> str:
+    """Indented JSON with each list of numbers on one line: a per-step trace row is one line,
+    not nine (the traces of a full run are ~5000 rows)."""
+    flat = lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]"  # noqa: E731
+    return re.sub(r"\[\s+([-+\d.eE,\s]+?)\s+\]", flat, json.dumps(R, indent=2, default=str))
+
+
+def write_json(R: dict, name: str) -> Path:
+    """R as OUT/name (rewritten whole each call: call it after every part)."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / name
+    path.write_text(dumps(R))
+    return path
+
+
+def cuda_time(fn, iters: int = 30) -> float:
+    """Median seconds per call, timed with CUDA events."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s (read + write), the denominator of the decode ceiling."""
+    import torch
+
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() / cuda_time(lambda: y.copy_(x), 20)
+
+
+def matmul_rate() -> float:
+    """bf16 matmul FLOP/s at 8192^3, the prefill side of the roofline."""
+    import torch
+
+    a = torch.randn((8192, 8192), dtype=torch.bfloat16, device="cuda")
+    return 2 * 8192**3 / cuda_time(lambda: a @ a, 10)
+
+
+def roofline(prompt_lens: list[int], out_lens: list[int], c: int, R: dict) -> float:
+    """Output tokens per second if prefill ran at the matmul rate and every decode step read
+    the weights and the live sequences' KV at copy bandwidth (c streams, plain decoding).
+    R: param_count, param_bytes, kv_bytes_per_token, matmul_flops, copy_bandwidth."""
+    prefill = sum(2 * R["param_count"] * p for p in prompt_lens) / R["matmul_flops"]
+    steps = sum(out_lens) / c
+    ctx = sum(p + o / 2 for p, o in zip(prompt_lens, out_lens)) / len(prompt_lens)
+    step_bytes = R["param_bytes"] + c * ctx * R["kv_bytes_per_token"]
+    return sum(out_lens) / (prefill + steps * step_bytes / R["copy_bandwidth"])
+
+
+def decode_rate(engine, prompts, spec, drafter=None, new: int = 256) -> dict:
+    """Decode tokens/s (after each first token), acceptance and mean accepted length of one
+    engine.generate over `prompts`, with the token ids for equality checks."""
+    from cluster.engine.sampling import SamplingParams
+
+    res = engine.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True), spec, drafter)
+    toks = sum(len(r["token_ids"]) - 1 for r in res)  # after the first token: decode only
+    secs = max((r["timing"]["total_ms"] - r["timing"]["ttft_ms"]) / 1e3 for r in res)
+    d = sum(r["spec"]["drafted"] for r in res)
+    a = sum(r["spec"]["accepted"] for r in res)
+    vs = sum(r["spec"]["verify_steps"] for r in res)
+    return {"tokens_per_s": toks / secs, "acceptance_rate": a / d if d else 0.0,
+            "mean_accepted_len": (a + vs) / vs if vs else 1.0, "token_ids": [r["token_ids"] for r in res]}
+
+
+def drop_ids(d: dict) -> dict:
+    """A decode_rate result without its token ids (for the JSON)."""
+    return {k: v for k, v in d.items() if k != "token_ids"}
+
+
+def triton_interpreter_numpy24() -> None:
+    """Triton 3.6's interpreter turns a scalar into an int by int(1-element array), which
+    numpy >= 2.4 refuses (`range(K // BLOCK_K)` fails): the upstream fix
+    (triton-lang/triton#9171, #9172), for kernels run on the CPU (TRITON_INTERPRET=1)."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def step_calls(engine, ctx_ids: list[int], widths) -> tuple[object, dict]:
+    """A sequence holding `ctx_ids` and, per width w, a call that runs one w-token step after
+    them (a decode step at 1, a gamma = w - 1 verify; CUDA-graph replays once captured). The
+    steps write past the context and never advance it: each call times the same step."""
+    h = engine.kv.open()
+    n = len(ctx_ids)
+    engine.kv.grow(h, n + max(widths))
+    engine.runner.forward([h.row], [0], [ctx_ids], last_only=True)
+    return h, {w: (lambda w=w: engine.runner.forward([h.row], [n], [[5] * w], last_only=False)) for w in widths}
