@@ -14,6 +14,7 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 # dashboard that cannot start (its API needs no build)
 mkdir -p /tmp/site/ray/dashboard/client/build/static
 export COMPILE_CACHE=${COMPILE_CACHE:-/tmp/spec-cluster-compile}
+mkdir -p "${OUT:-.}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 scripts/gpu_smoke.py 2>&1 | tee "${OUT:-.}/smoke.log"
 rc=$?
