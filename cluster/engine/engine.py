@@ -141,7 +141,7 @@ class Engine:
     def enqueue(self, ids: list[int], params: SamplingParams, spec: SpecParams, drafter: str | None, sid: str) -> str:
         """A request its edge has checked (cluster.engine.requests; the serving path's router):
         only what the engine's memory depends on is asserted here."""
-        assert ids and len(ids) < self.cfg.max_model_len, "prompt length unchecked at the edge"
+        assert ids and len(ids) < self.max_model_len, "prompt length unchecked at the edge"
         if sid in self.seqs:
             raise InvalidRequest(f"request id {sid!r} is already in flight")
         seq = Sequence(sid, ids, params, spec, drafter)
@@ -298,9 +298,10 @@ class Engine:
 
     def _pipelined(self, seqs: list[Sequence], drafts: DraftOutput) -> bool:
         """Greedy plain decoding on CUDA graphs runs a step ahead (cluster.engine.worker.pipeline);
-        not where a drafter reads the target's hidden states, which that path skips."""
+        not where a row needs what that path keeps none of: logits (logprobs), or the target's
+        hidden or aux states (a drafter that reads them)."""
         return (self.pipeline is not None and not any(drafts.tokens) and self.pipeline.eligible(seqs)
-                and not any(d.reads_hidden for d in self.drafters.values())  # it keeps no logits:
+                and not any(d.reads_hidden for d in self.drafters.values())
                 and all(s.params.logprobs is None and not self._reads_aux(s) for s in seqs))
 
     def _reads_aux(self, seq: Sequence) -> bool:
