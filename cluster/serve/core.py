@@ -6,7 +6,8 @@ request's outputs, pickling. Sharing a GIL with the engine's steps, both slow do
 `EngineCore` Ray actor beside the replica, on the replica's node and GPU, and the two speak
 ZeroMQ over Unix sockets, msgpack-encoded, as vLLM's API server and engine core do:
 
-- replica -> core: `add`, `abort`, `stats`, `inflight`, `stop`; applied between steps, in order;
+- replica -> core: `add`, `abort`, `stats`, `inflight`, `pause`, `stop`; applied between steps,
+  in order;
 - core -> replica: one `step` message per engine step carrying every row's new tokens, the
   step's observations and KV prefix changes; `refused`, `stats` (an answer), `dead`.
 
@@ -97,6 +98,7 @@ class CoreLoop:
         self.obs: list[list] = []
         self.kv: tuple[list[int], list[int]] = ([], [])
         self.stopped = False
+        self.paused = False  # no steps; requests and aborts are still taken (draining, weight swaps)
         self.busy_s = 0.0  # in engine.step
         self.host_s = 0.0  # with work to do but outside a step: the inbox, sending outputs
         engine.on_verify = lambda o: self.obs.append(dataclasses.astuple(o))
@@ -108,12 +110,12 @@ class CoreLoop:
         `dead`, then raised: no later step can run)."""
         while not self.stopped:
             t0 = time.perf_counter()
-            busy = self.engine.has_work
+            busy = self.engine.has_work and not self.paused
             self._take_inbox(wait_ms=0 if busy else IDLE_POLL_MS)
             if self.stopped:
                 break
-            if not self.engine.has_work:
-                if self.on_idle:
+            if not self.engine.has_work or self.paused:
+                if self.on_idle and not self.engine.has_work:
                     self.on_idle()
                 continue
             started = time.perf_counter()
@@ -173,6 +175,8 @@ class CoreLoop:
             self.engine.cluster_inflight = msg[1]
             if self.engine.controller:
                 self.engine.controller.set_num_verifier_replicas(max(1, msg[2]))
+        elif kind == "pause":
+            self.paused = bool(msg[1])
         elif kind == "stop":
             self.stopped = True
 

@@ -89,6 +89,12 @@ class CoreClient:
         """The cluster's requests in flight and verifier replicas, for the controller."""
         self._send(["inflight", inflight, replicas])
 
+    def pause(self, on: bool) -> Future:
+        """Stop (or restart) the core's steps; the stats that answer come after it took effect."""
+        if self.alive:
+            self._send(["pause", on])
+        return self.request_stats()
+
     def request_stats(self) -> Future:
         """The engine's stats, answered between steps after everything sent before."""
         fut: Future = Future()

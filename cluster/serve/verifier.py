@@ -166,6 +166,11 @@ class Verifier:
     async def stats(self) -> dict:
         return self._stats(await asyncio.wrap_future(self.client.request_stats()))
 
+    async def pause(self, on: bool = True) -> dict:
+        """Hold the engine between steps (on) or let it go on (off). Requests and aborts are
+        still taken meanwhile; answers with the stats seen once it took effect."""
+        return self._stats(await asyncio.wrap_future(self.client.pause(on)))
+
     def _stats(self, s: dict) -> dict:
         c = self.client
         s.update(replica=self.replica_id, node_id=self.node_id, gpu_ids=self.gpu_ids, step_messages=c.messages,

@@ -209,3 +209,28 @@ def test_a_full_engine_refuses_at_once(engine):
     finally:
         held.hold.set()
         core.close()
+
+
+def test_a_paused_core_takes_requests_and_aborts_but_runs_no_step(engine):
+    core = Core(engine)
+
+    async def run():
+        sid, q = submit(core.client)
+        await _first(q)  # running
+        paused = core.client.pause(True).result(timeout=30)  # answered once it took effect
+        sid2, _ = submit(core.client, "second")
+        core.client.abort(sid)
+        s = core.client.request_stats().result(timeout=30)  # after the add and the abort
+        assert s["steps"] == paused["steps"] and s["tokens"] == paused["tokens"]  # no step ran
+        assert s["aborted"] == 1 and s["running"] + s["waiting"] == 1 and sid2 in engine.seqs
+        core.client.pause(False).result(timeout=30)
+        await _first(core.client.queues[sid2][1])  # and steps go on
+        core.client.abort(sid2)
+
+    try:
+        asyncio.run(run())
+        stats = core.client.request_stats().result(timeout=30)
+        assert stats["aborted"] == 2 and stats["finished"] == 0 and stats["running"] == 0
+        assert engine.kv.held() == (0, 0)
+    finally:
+        core.close()
