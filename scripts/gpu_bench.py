@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from cluster.bench import harness
-from cluster.bench.harness import DEMO, OUT, copy_bandwidth, cuda_time, decode_rate, drop_ids, step_calls, write_json
+from cluster.bench.harness import (DEMO, OUT, agreement, copy_bandwidth, cuda_time, decode_rate, drop_ids, step_calls,
+                                    write_json)
 from cluster.bench.workloads import code_prompts
 from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.base import DraftRequest
@@ -46,29 +47,6 @@ def log(*a, R: dict | None = None):
     harness.log(*a)
     if R is not None and os.environ.get("SWEEP_ONLY") != "1":
         write_json({**R, "partial": True}, "gpu_bench.json")
-
-
-def agreement(engine, prompt: list[int], spec: list[int], plain: list[int]) -> dict:
-    """Where greedy speculation's tokens first differ from plain decoding's, and by how much
-    the target preferred plain's token there (one eager pass over the common prefix). The
-    decode step (Triton GEMV, autotuned per run) and the verify pass (cuBLAS) round
-    differently, so a token whose two best logits are a rounding apart can flip; a wide gap
-    at the first difference would be a bug."""
-    i = next((j for j, (a, b) in enumerate(zip(spec, plain)) if a != b), None)
-    if i is None:
-        return {"same_tokens": len(spec) == len(plain), "tokens": len(plain)}
-    h, graphs = engine.kv.open(), engine.runner.graphs
-    engine.runner.graphs = None
-    try:
-        engine.kv.grow(h, len(prompt) + i)
-        logits = engine.runner.forward([h.row], [0], [prompt + plain[:i]], last_only=True)[0].float()
-    finally:
-        engine.runner.graphs = graphs
-        engine.kv.close(h)
-    top2 = logits.topk(2).values
-    return {"same_tokens": False, "tokens": len(plain), "first_difference": i,
-            "plain_minus_spec_logit": float(logits[plain[i]] - logits[spec[i]]),
-            "top2_margin": float(top2[0] - top2[1]), "logit_scale": float(logits.abs().max())}
 
 
 def gemv_configs() -> dict:
@@ -195,12 +173,13 @@ def main() -> int:
     actx = AttnContext.build(kv, list(range(B)), [ctx_len - T] * B, [T] * B, "cuda")
     actx.splits = engine.runner._splits(B, T, ctx_len)
     paged = make_backend("auto", torch.device("cuda"), torch.bfloat16)
-    t_paged = cuda_time(lambda: paged(q, k, k, kv.k[0], kv.v[0], actx))
-    t_sdpa = cuda_time(lambda: SdpaBackend()(q, k, k, kv.k[0], kv.v[0], actx))
+    kc, vc = kv.k[0], kv.v[0]
+    t_paged = cuda_time(lambda: paged(q, k, k, kc, vc, actx))
+    t_sdpa = cuda_time(lambda: SdpaBackend()(q, k, k, kc, vc, actx))
     R["verify_attention_8k_b64"] = {"backend": paged.name, "paged_ms": 1e3 * t_paged, "sdpa_ms": 1e3 * t_sdpa,
                                     "sdpa_over_paged": t_sdpa / t_paged}
     log("attention 8k b64:", R["verify_attention_8k_b64"], R=R)
-    del kv
+    kv = kc = vc = None  # the 8k cache goes before the sweep
 
     return sweep_only(engine, prompts, R)
 

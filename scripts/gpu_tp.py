@@ -1,6 +1,6 @@
 """The 70B-shaped demo target split over N GPUs of one host (issue 29): the engine as
 build_engine starts it under engine.tensor_parallel_size (rank 0 here, ranks 1..N-1 spawned,
-NCCL; eager passes: no CUDA graphs under tensor parallelism), bf16, the draft model
+NCCL; CUDA graphs on every rank, `GRAPHS=0` for eager passes), bf16, the draft model
 demo-8b-draft on rank 0's GPU.
 
     TP=2 bash scripts/gpu_py.sh gpu_tp.py          # on nvidia-h100-x2; $OUT/gpu_tp.json + .png
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench.harness import (copy_bandwidth, cuda_time, decode_rate, drop_ids, dumps, log, matmul_rate, roofline,
-                                    step_calls)
+from cluster.bench.harness import (agreement, copy_bandwidth, cuda_time, decode_rate, drop_ids, dumps, log, matmul_rate,
+                                    roofline, step_calls)
 from cluster.bench.load import run_engine, summarise
 from cluster.bench.workloads import code_prompts
 from cluster.config import ClusterConfig, resolve_model_path
@@ -131,9 +131,12 @@ def spec(engine, a, R: dict) -> None:
         t_draft = draft_time(drafter, engine.tokenizer.encode(a.prompts[2]), g, a.iters)
         ideal = s["mean_accepted_len"] * t_dec / (t_dec + g * t_draft)
         speedup = s["tokens_per_s"] / plain["tokens_per_s"]
+        same = s["token_ids"] == plain["token_ids"]
         out["by_gamma"][g] = {**drop_ids(s), "draft_ms_per_token": 1e3 * t_draft, "speedup": speedup,
-                              "ideal_speedup": ideal, "fraction_of_ideal": speedup / ideal,
-                              "same_tokens_as_plain": s["token_ids"] == plain["token_ids"]}
+                              "ideal_speedup": ideal, "fraction_of_ideal": speedup / ideal, "same_tokens_as_plain": same}
+        if not same:  # a near tie (the two best logits a rounding apart) or a bug: the margin says which
+            out["by_gamma"][g]["agreement"] = agreement(engine, engine.tokenizer.encode(one[0]), s["token_ids"][0],
+                                                        plain["token_ids"][0])
         log(f"draft model g{g}:", out["by_gamma"][g])
     best = max(out["by_gamma"], key=lambda g: out["by_gamma"][g]["tokens_per_s"])
     out["best_gamma"], out["best"] = best, out["by_gamma"][best]
@@ -239,6 +242,8 @@ def parse(argv=None):
     p.add_argument("--draft", default=env("DRAFT", "demo-8b-draft"))
     p.add_argument("--layers", type=int, default=int(env("LAYERS", "0")), help="reduced-layer check (0: all)")
     p.add_argument("--parts", default=env("PARTS", "batch1,verify,spec,sweep"))
+    p.add_argument("--eager", action="store_true", default=env("GRAPHS", "1") == "0",
+                   help="no CUDA graphs (GRAPHS=0): the eager passes, for a same-machine baseline")
     p.add_argument("--levels", default=env("LEVELS", "1,8,32,128"))
     p.add_argument("--gammas", default=env("GAMMAS", "2,3,4,6"))
     p.add_argument("--kv-gb", type=float, default=float(env("KV_GB", "0")),
@@ -251,12 +256,14 @@ def parse(argv=None):
     a.levels = [int(x) for x in a.levels.split(",")]
     a.gammas = [int(x) for x in a.gammas.split(",")]
     a.parts = a.parts.split(",")
+    a.graphs = not a.eager
     a.new, a.warm, a.iters, a.ctx, a.prompt_len, a.out_range = 128, 16, 20, 512, 640, (64, 192)
     a.overrides = {"num_hidden_layers": a.layers} if a.layers else {}
     if a.cpu_smoke:
         a.tp, a.levels, a.gammas, a.overrides = 2, [1, 2], [2, 4], dict(SMOKE)
         a.new, a.warm, a.iters, a.ctx, a.prompt_len, a.out_range = 8, 2, 2, 32, 24, (4, 8)
-    a.name = a.name or f"gpu_tp{a.tp}" + ("_cpu_smoke" if a.cpu_smoke else f"_l{a.layers}" if a.layers else "")
+    a.name = a.name or f"gpu_tp{a.tp}" + ("_cpu_smoke" if a.cpu_smoke else f"_l{a.layers}" if a.layers else "") + \
+        ("_eager" if a.eager else "")
     return a
 
 
@@ -273,7 +280,7 @@ def main(argv=None) -> int:
     cfg = ClusterConfig.model_validate({
         "models": {"target": target, "draft": a.draft, "drafter": "model", "device": "cuda" if cuda else "cpu",
                    "dtype": "bfloat16" if cuda else "float32"},
-        "engine": {"tensor_parallel_size": a.tp, "max_num_seqs": max(64, max(a.levels)) if cuda else 8,
+        "engine": {"tensor_parallel_size": a.tp, "cuda_graphs": a.graphs, "max_num_seqs": max(64, max(a.levels)) if cuda else 8,
                    "max_model_len": 2048 if cuda else 512,
                    "max_waiting": 1024, "max_batch_tokens": 2048, "prefill_chunk": 512, "kv_cache_gb": kv_gb,
                    "compile": False, "prefix_caching": True},
@@ -283,7 +290,8 @@ def main(argv=None) -> int:
     R: dict = {"label": label, "device": torch.cuda.get_device_name() if cuda else "cpu", "tp": a.tp,
                "gpus": torch.cuda.device_count() if cuda else 0, "torch": torch.__version__,
                "command": " ".join(["python3", "scripts/gpu_tp.py", *(argv or sys.argv[1:])]),
-               "env": {k: os.environ[k] for k in ("TP", "PARTS", "LEVELS", "LAYERS", "GAMMAS", "KV_GB") if k in os.environ},
+               "env": {k: os.environ[k] for k in ("TP", "PARTS", "LEVELS", "LAYERS", "GAMMAS", "KV_GB", "GRAPHS")
+                       if k in os.environ},
                "engine": cfg.engine.model_dump(), "target_overrides": a.overrides}
     from cluster.serve.build import build_engine
 

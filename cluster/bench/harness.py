@@ -127,3 +127,26 @@ def step_calls(engine, ctx_ids: list[int], widths) -> tuple[object, dict]:
     engine.kv.grow(h, n + max(widths))
     engine.runner.forward([h.row], [0], [ctx_ids], last_only=True)
     return h, {w: (lambda w=w: engine.runner.forward([h.row], [n], [[5] * w], last_only=False)) for w in widths}
+
+
+def agreement(engine, prompt: list[int], spec: list[int], plain: list[int]) -> dict:
+    """Where greedy speculation's tokens first differ from plain decoding's, and by how much
+    the target preferred plain's token there (one eager pass over the common prefix). The
+    decode step (Triton GEMV, autotuned per run) and the verify pass (cuBLAS) round
+    differently, so a token whose two best logits are a rounding apart can flip; a wide gap
+    at the first difference would be a bug."""
+    i = next((j for j, (a, b) in enumerate(zip(spec, plain)) if a != b), None)
+    if i is None:
+        return {"same_tokens": len(spec) == len(plain), "tokens": len(plain)}
+    h, graphs = engine.kv.open(), engine.runner.graphs
+    engine.runner.graphs = None
+    try:
+        engine.kv.grow(h, len(prompt) + i)
+        logits = engine.runner.forward([h.row], [0], [prompt + plain[:i]], last_only=True)[0].float()
+    finally:
+        engine.runner.graphs = graphs
+        engine.kv.close(h)
+    top2 = logits.topk(2).values
+    return {"same_tokens": False, "tokens": len(plain), "first_difference": i,
+            "plain_minus_spec_logit": float(logits[plain[i]] - logits[spec[i]]),
+            "top2_margin": float(top2[0] - top2[1]), "logit_scale": float(logits.abs().max())}

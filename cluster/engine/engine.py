@@ -72,17 +72,17 @@ class Engine:
         self.kv = KVCache(s.layers, blocks, cfg.block_size, s.kv_heads, s.head_dim, kv_dtype, p.device,
                           cfg.max_num_seqs, max_tokens, model_seed(identity), cfg.prefix_caching)
         graph_width = cfg.gamma_max + 1 if cfg.cuda_graphs else 0  # where the device captures (Runner)
+        # prefill graphs up to 2048 padded tokens: past that a pass's GPU work hides an eager pass's host work
+        graphs = (graph_width, cfg.prefill_chunk, min(cfg.max_batch_tokens, 2048))
         if model.group is not None:  # rank 0 of a tensor-parallel group: its passes lead the others'
-            self.runner = ParallelRunner(model, self.kv, cfg.attention, model.group)
+            self.runner = ParallelRunner(model, self.kv, cfg.attention, model.group, *graphs)
         else:
-            # prefill graphs up to 2048 padded tokens: past that a pass's GPU work hides the
-            # eager pass's host work (H100, 8B shape: ~40 ms of it), and padding only costs
-            self.runner = Runner(model, self.kv, cfg.attention, graph_width, cfg.prefill_chunk,
-                                 min(cfg.max_batch_tokens, 2048))
+            self.runner = Runner(model, self.kv, cfg.attention, *graphs)
         if cfg.kv_cache_dtype == "fp8":  # through the runner: a tensor-parallel one calibrates every rank
             self.runner.calibrate(fp8.calibration_tokens(tokenizer))
         self.backend = model.backend.name
-        self.pipeline = DecodePipeline(self.runner.graphs) if self.runner.graphs is not None else None
+        self.pipeline = (DecodePipeline(self.runner.graphs)  # it replays past forward: followers would not
+                         if self.runner.graphs is not None and model.group is None else None)
         self.scheduler = Scheduler(cfg, self.kv, mixed=cfg.mixed_prefill and self.runner.can_mix)
         self.drafters = drafters or {}
         self.default_drafter = default_drafter

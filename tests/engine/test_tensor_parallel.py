@@ -4,6 +4,7 @@ and with an fp8 KV cache; nothing leaks; a dead rank is an error on rank 0, not 
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -191,6 +192,25 @@ def test_fp8_cache_matches_one_process_on_every_rank(random_models):
     # and their amaxes differ by rounding (on this model, layer 1's k scale by one ulp).
     # Taking each rank's own amax instead (vLLM's calc_kv_scales) misses by far more.
     torch.testing.assert_close(rank0, one.kv.scales, rtol=1e-5, atol=0)
+
+
+def test_graphs_replay_in_lockstep_on_every_rank(random_models):
+    """CUDA graphs under tensor parallelism (the CPU stand-in runs each graph's body at every
+    replay, collectives included): 2 ranks give the one-process graph engine's greedy tokens,
+    plain and with the draft model, and its seeded samples; every graph rank 0 replayed, the
+    follower replayed as often (the same graph each pass, so their collectives pair up), and
+    plain and verify widths both ran as graphs."""
+    target, draft = random_models["llama"], random_models["llama_draft"]
+    want = _rank0("graphs", target, 1, draft, timeout=300)
+    got = _rank0("graphs", target, 2, draft, timeout=300)
+    assert want["spec"] == want["plain"]
+    for key in ("plain", "spec", "sampled"):
+        assert got[key] == want[key], key
+    assert got["held"] == [0, 0]
+    replayed = {k: n for k, n in got["replays"].items() if n}
+    assert got["followers"] == [got["replays"]], "the follower replays rank 0's graphs, pass for pass"
+    widths = {ast.literal_eval(k)[1] for k in replayed}  # keys are (batch bucket, width, layers)
+    assert 1 in widths and 5 in widths, replayed
 
 
 def test_eagle3_head_matches_one_process(demo_pair):

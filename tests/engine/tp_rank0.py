@@ -2,6 +2,9 @@
 group (a process holds one): `python -m tests.engine.tp_rank0 MODE TARGET TP [DRAFT]`.
 
 generate: prints the greedy and seeded-sampled token ids of PROMPTS as JSON (plain decoding).
+graphs: with the CUDA-graph stand-in on every rank and the DRAFT model drafting, prints the
+greedy (plain and speculative) and seeded-sampled token ids of PROMPTS and each rank's graph
+replays as JSON.
 fp8: with an fp8 KV cache and the DRAFT model drafting, prints the greedy token ids of PROMPTS
 plain and with speculation, and the fp8 scales every rank calibrated, as JSON.
 eagle3, eagle3-tree, medusa: TARGET's engine as build_engine makes it, with the EAGLE-3 head
@@ -59,15 +62,22 @@ def fp8_engine(target: str, draft: str | None, tp: int, launch=None) -> Engine:
 
 def follow_saving_scales(out: str, *args) -> None:
     """A follower (cluster.engine.distributed.ranks.follow) that saves its fp8 scales to `out` after STOP."""
-    torch.save(follow(*args).scales, out)
+    torch.save(follow(*args).kv.scales, out)
 
 
-def saving_launcher(out_dir: str):
-    """A ranks launcher (as cluster.engine.distributed.ranks.spawn) whose followers save their scales in out_dir."""
+def follow_saving_replays(out: str, *args) -> None:
+    """A follower that saves how often each of its graphs (the CPU stand-in's) replayed, after STOP."""
+    graphs = follow(*args).graphs.graphs
+    Path(out).write_text(json.dumps({str(k): g.graph.replays for k, g in graphs.items()}))
+
+
+def saving_launcher(out_dir: str, save=follow_saving_scales, suffix: str = "pt"):
+    """A ranks launcher (as cluster.engine.distributed.ranks.spawn) whose followers save what
+    `save` saves in out_dir (their fp8 scales)."""
     def launch(rank, size, addr, port, target, cfg, step_timeout_s):
         ctx = torch.multiprocessing.get_context("spawn")
-        p = ctx.Process(target=follow_saving_scales, daemon=True, name=f"tp-rank-{rank}",
-                        args=(f"{out_dir}/rank{rank}.pt", rank, size, port, target, cfg, step_timeout_s, addr))
+        p = ctx.Process(target=save, daemon=True, name=f"tp-rank-{rank}",
+                        args=(f"{out_dir}/rank{rank}.{suffix}", rank, size, port, target, cfg, step_timeout_s, addr))
         p.start()
         return p
     return launch
@@ -78,6 +88,29 @@ def fp8_tokens(e: Engine) -> dict:
     spec = e.generate(PROMPTS, GREEDY, SpecParams("fixed", 4), "model")
     return {"plain": [r["token_ids"] for r in plain], "spec": [r["token_ids"] for r in spec],
             "drafted": sum(r["spec"]["drafted"] for r in spec), "held": list(e.kv.held())}
+
+
+def graph_tokens(target: str, draft: str, tp: int) -> dict:
+    """Greedy plain and speculative, and seeded sampled, token ids with CUDA graphs (the CPU
+    stand-in, cluster.engine.worker.capture) on every rank; with tp > 1 how often each graph
+    replayed on rank 0 and on each follower."""
+    from cluster.engine.worker.capture import eager_on_cpu
+
+    cfg = config(tp)
+    with tempfile.TemporaryDirectory() as tmp, eager_on_cpu():
+        group = start_ranks(target, cfg, launch=saving_launcher(tmp, follow_saving_replays, "json")) if tp > 1 else None
+        e = Engine(load_model(target, torch.float32, "cpu", group), CharTokenizer(), cfg,
+                   {"model": ModelDrafter(load_model(draft, torch.float32, "cpu"), 8, 256)}, "model")
+        try:
+            out = {"plain": [r["token_ids"] for r in e.generate(PROMPTS, GREEDY, SpecParams("off"))],
+                   "spec": [r["token_ids"] for r in e.generate(PROMPTS, GREEDY, SpecParams("fixed", 4), "model")],
+                   "sampled": [r["token_ids"] for r in e.generate(PROMPTS, SAMPLED, SpecParams("fixed", 2), "model")],
+                   "held": list(e.kv.held()),
+                   "replays": {str(k): g.graph.replays for k, g in e.runner.graphs.graphs.items()}}
+        finally:
+            e.close()
+        out["followers"] = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(1, tp)]
+    return out
 
 
 def head_tokens(drafter: str, target: str, tp: int) -> dict:
@@ -103,6 +136,8 @@ def head_tokens(drafter: str, target: str, tp: int) -> dict:
 def main(mode: str, target: str, tp: int, draft: str | None = None) -> dict:
     if mode in ("eagle3", "eagle3-tree", "medusa"):
         return head_tokens(mode, target, tp)
+    if mode == "graphs":
+        return graph_tokens(target, draft, tp)
     if mode == "fp8":
         with tempfile.TemporaryDirectory() as tmp:
             e = fp8_engine(target, draft, tp, saving_launcher(tmp))

@@ -50,10 +50,12 @@ class Group:
 
     def gather_vocab(self, x: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """Each rank's vocabulary slice [..., V/N] of the logits, joined on rank 0 as [..., V];
-        None elsewhere (only rank 0 samples)."""
+        None elsewhere (only rank 0 samples). An all-gather, not a gather: one collective
+        (NCCL's gather is a group of sends and receives) that CUDA graphs capture as every
+        rank's passes do (cluster.engine.distributed.ranks)."""
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.first else None
-        dist.gather(x, parts, dst=0, group=self.step_group)
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.step_group)
         return torch.cat(parts, dim=-1)[..., :vocab_size] if self.first else None
 
     def broadcast_header(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,28 +1,35 @@
 """Tensor-parallel ranks: rank 0 drives, ranks 1..N-1 follow, one forward pass at a time.
 
 Rank 0 is the ordinary Engine (scheduler, drafters, sampling) whose target runner is a
-`ParallelRunner`: before each pass it broadcasts a header, a fixed-size `meta` then one int64
-`payload` (the rows, cached lengths, token ids, which new tokens are real, draft trees'
-parents, the KV slot copies of accepted tree paths and the block-table changes since the
-last pass), and then runs the pass as every rank does (`run_step`). A
-follower holds a mirror of the KV block tables (its own KV heads' blocks, the same block ids)
-and no scheduler: per pass it receives the header, applies the table changes and runs the same
-tensor ops on its shard, joining rank 0's all-reduces and the logits gather. So the engine
-above the runner is unchanged and a follower's host work does not grow with the batch.
+`ParallelRunner`. Before each pass it broadcasts a header: a fixed-size `meta`, then one
+int64 `payload` holding the pass's arguments (rows, cached lengths, token ids, draft trees'
+parents) and what changed in the KV cache since the last pass (block-table entries, the slot
+copies of accepted tree paths). Then every rank runs the same `Runner.forward` with the same
+arguments: the same choice of CUDA graph or eager pass, the same graph captured or replayed,
+the same collectives in the same order. A follower holds a mirror of the block tables (its own
+KV heads' blocks, the same block ids) and no scheduler, so the engine above the runner is
+unchanged and a follower's host work does not grow with the batch.
 
-The first header after start is the KV geometry and cache dtype (`SETUP`). With an fp8 cache
-a CALIBRATE header (its payload: the calibration tokens) follows: every rank runs the
-calibration pass on its heads and the ranks agree on the scales (cluster.engine.worker.fp8), once,
-before any FORWARD. STOP ends the followers. A dead
-or stalled rank makes rank 0's next collective fail (cluster.engine.distributed.parallel): rank 0 raises
-RankFailure and the replica goes down, rather than serving from a broken group.
+CUDA graphs hold each pass's all-reduces and its logits all-gather (NCCL captures them), so a
+step is one graph replay on every rank and the header is the host's only work a step. Graphs
+are captured in lockstep: rank 0 sends CAPTURE and every rank captures the same list in the
+same order; a graph first needed mid-serving is captured by every rank in the same pass. A
+header's `graphs` flag says whether rank 0 runs graphs at all for it (its warm-up passes are
+eager), so that no rank replays while another runs eagerly.
+
+The first header after start is the KV geometry, cache dtype and graph sizes (`SETUP`). With
+an fp8 cache a CALIBRATE header (its payload: the calibration tokens) follows: every rank runs
+the calibration pass on its heads and the ranks agree on the scales (cluster.engine.worker.fp8),
+once, before any FORWARD. STOP ends the followers. A dead rank makes rank 0's next header
+broadcast or collective fail (cluster.engine.distributed.parallel): rank 0 raises RankFailure and
+the replica goes down, rather than serving from a broken group.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -30,50 +37,46 @@ import torch.distributed as dist
 from cluster.engine.distributed.parallel import Group, RankFailure, free_port, init_group
 from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.engine.worker import fp8
-from cluster.engine.worker.attention import AttnContext
+from cluster.engine.worker.capture import eager_on_cpu
 from cluster.engine.worker.runner import Runner
-from cluster.engine.worker.tree import tree_layout
 
 log = logging.getLogger(__name__)
-STOP, FORWARD, CALIBRATE = 0, 1, 2
-META = 10     # op, rows B, width T, table updates U, max_kv, real-token index length (-1: all), last_only, layers,
-#               tree section length (0: chains), KV slot moves M
-#               (CALIBRATE: op, tokens, 0...)
-SETUP = 5     # blocks, block_size, max_rows, max_tokens, fp8 cache (0 / 1)
+STOP, FORWARD, CALIBRATE, CAPTURE = 0, 1, 2, 3
+META = 9      # op, rows B, width T, table updates U, last_only, layers, tree section length (0: chains),
+#               KV slot moves M, graphs (0: an eager pass on every rank)
+#               (CALIBRATE: op, tokens, 0...; CAPTURE: op, max batch, 0...)
+SETUP = 8     # blocks, block_size, max_rows, max_tokens, fp8 cache (0 / 1), graph width (0: no graphs),
+#               prefill chunk, graph prefill tokens
 STEP_TIMEOUT_S = 120.0
 DEATH_WAIT_S = 2.0  # after a failed collective, how long rank 0 looks for the follower that died
 
 
 def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens: list[list[int]],
            last_only: bool, num_layers: int | None, trees: list[list[int] | None] | None = None,
-           moves: list[tuple[int, int]] = ()) -> tuple[torch.Tensor, torch.Tensor]:
-    """The header of one pass: (meta [META], payload), host int64, built as AttnContext.build
-    builds a single process's context. Draft trees travel as each row's node count + 1 (0: a
-    chain) then the tree rows' parents; `moves`: rank 0's KV slot copies since the last pass
-    (accepted tree paths), which every follower repeats on its heads before this pass."""
+           moves: list[tuple[int, int]] = (), graphs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The header of one pass: (meta [META], payload), host int64. Draft trees travel as each
+    row's node count + 1 (0: a chain) then the tree rows' parents; `moves`: rank 0's KV slot
+    copies since the last pass (accepted tree paths), which every follower repeats on its
+    heads before this pass."""
     q_lens = [len(t) for t in tokens]
     b, width = len(tokens), max(q_lens)
-    ids = torch.zeros((b, width), dtype=torch.int64)
-    for i, t in enumerate(tokens):
-        ids[i, : len(t)] = torch.tensor(t)
-    src = [i * width + j for i, n in enumerate(q_lens) for j in range(n)] if min(q_lens) < width else []
-    max_kv = max(c + width for c in cache_lens)
+    flat = [x for t in tokens for x in (t if len(t) == width else list(t) + [0] * (width - len(t)))]
     tree = []
     if trees is not None and any(t is not None for t in trees):
         tree = [len(t) + 1 if t is not None else 0 for t in trees] + [p for t in trees if t is not None for p in t]
     moved = [s for s, _ in moves] + [d for _, d in moves]
-    meta = torch.tensor([FORWARD, b, width, updates.shape[1], max_kv, len(src) if src else -1, int(last_only),
-                         num_layers or 0, len(tree), len(moves)], dtype=torch.int64)
-    payload = torch.cat([torch.tensor(rows + cache_lens + q_lens, dtype=torch.int64), ids.flatten(),
-                         torch.tensor(src + tree + moved, dtype=torch.int64), updates.flatten()])
+    meta = torch.tensor([FORWARD, b, width, updates.shape[1], int(last_only), num_layers or 0, len(tree), len(moves),
+                         int(graphs)], dtype=torch.int64)
+    payload = torch.cat([torch.tensor(rows + cache_lens + q_lens + flat + tree + moved, dtype=torch.int64),
+                         updates.flatten()])
     return meta, payload
 
 
 def payload_len(meta: list[int]) -> int:
     if meta[0] == CALIBRATE:
         return meta[1]
-    _, b, width, num_updates, _, num_src, _, _, num_tree, num_moves = meta
-    return 3 * b + b * width + max(num_src, 0) + num_tree + 2 * num_moves + 3 * num_updates
+    _, b, width, num_updates, _, _, num_tree, num_moves, _ = meta
+    return 3 * b + b * width + num_tree + 2 * num_moves + 3 * num_updates
 
 
 def decode_trees(section: list[int], b: int) -> list[list[int] | None]:
@@ -85,30 +88,26 @@ def decode_trees(section: list[int], b: int) -> list[list[int] | None]:
     return trees
 
 
-def run_step(runner: Runner, meta: list[int], payload: torch.Tensor, hidden: bool, aux: bool = False):
-    """One pass from its header, the same on every rank: rank 0 gets Runner.forward's result,
-    followers None (or (None, h)). `aux` is rank 0's alone: the residual stream is whole and
-    the same on every rank after each all-reduce, so capturing it there costs no collective
-    and the followers' pass stays as it is."""
-    _, b, width, num_updates, max_kv, num_src, last_only, num_layers, num_tree, num_moves = meta
-    rows, lens, q_lens, ids, src, tree, moves, updates = payload.split(
-        [b, b, b, b * width, max(num_src, 0), num_tree, 2 * num_moves, 3 * num_updates])
-    if num_moves and runner.kv.moved is None:  # a follower repeats rank 0's copies (rank 0 made them)
-        runner.kv.copy_slots(moves[:num_moves].tolist(), moves[num_moves:].tolist())
+def run_step(runner: Runner, meta: list[int], payload: torch.Tensor) -> None:
+    """A follower's pass from its header: the KV changes rank 0 made, then the Runner.forward
+    rank 0 runs, with the same arguments (its logits stay on rank 0: only rank 0 samples)."""
+    _, b, width, num_updates, last_only, num_layers, num_tree, num_moves, graphs = meta
+    head, updates = payload[:len(payload) - 3 * num_updates].tolist(), payload[len(payload) - 3 * num_updates:]
+    rows, lens, q_lens = head[:b], head[b:2 * b], head[2 * b:3 * b]
+    at = 3 * b + b * width
+    ids, tree, moves = head[3 * b:at], head[at:at + num_tree], head[at + num_tree:]
+    if num_moves:
+        runner.kv.copy_slots(moves[:num_moves], moves[num_moves:])
     if num_updates:
         runner.kv.apply_updates(updates.view(3, num_updates))
-    dev = runner.device
-    rows, lens, q_lens = rows.to(dev), lens.to(dev), q_lens.to(dev)
-    mask = None
-    if num_tree:  # rotary positions by depth, as Runner.forward sets them for a tree
-        depth, mask = tree_layout(decode_trees(tree.tolist(), b), width, dev)
-    else:
-        depth = torch.arange(width, device=dev)
-    ctx = AttnContext(rows, lens, q_lens, lens[:, None] + depth, width, max_kv, src.to(dev) if num_src >= 0 else None,
-                      runner.kv.tables)
-    ctx.tree_mask = mask
-    ctx.splits = runner._splits(b, width, max_kv)
-    return runner.run(ids.view(b, width).to(dev), ctx, bool(last_only), num_layers or None, hidden, aux)
+    tokens = [ids[i * width:i * width + q] for i, q in enumerate(q_lens)]
+    kept = runner.graphs
+    runner.graphs = kept if graphs else None
+    try:
+        runner.forward(rows, lens, tokens, bool(last_only), num_layers or None,
+                       decode_trees(tree, b) if num_tree else None)
+    finally:
+        runner.graphs = kept
 
 
 class ParallelRunner(Runner):
@@ -118,13 +117,15 @@ class ParallelRunner(Runner):
     # runner's prefill and verify as separate steps
     can_mix = False
 
-    def __init__(self, model, kv: KVCache, attention: str, group: Group):
-        super().__init__(model, kv, attention)  # no CUDA graphs: their collectives are not captured yet
+    def __init__(self, model, kv: KVCache, attention: str, group: Group, graph_width: int = 0,
+                 prefill_chunk: int = 0, graph_tokens: int = 0):
+        super().__init__(model, kv, attention, graph_width, prefill_chunk, graph_tokens)
         self.group = group
         kv.moved = []  # tree paths' KV copies, for the followers (encode)
+        width = graph_width if self.graphs is not None else 0  # the followers capture as this rank does
         with self._failures():
             group.broadcast_header(torch.tensor([kv.scratch_block, kv.block_size, kv.max_rows, kv.max_tokens,
-                                                 int(kv.k.dtype == fp8.FP8)]))
+                                                 int(kv.k.dtype == fp8.FP8), width, prefill_chunk, graph_tokens]))
 
     def calibrate(self, token_ids: list[int]) -> None:
         """As Runner.calibrate, on every rank: each gets the same scales (cluster.engine.worker.fp8)."""
@@ -135,15 +136,24 @@ class ParallelRunner(Runner):
 
     @torch.inference_mode()
     def forward(self, rows, cache_lens, tokens, last_only, num_layers=None, trees=None, hidden=False, aux=False):
-        """As Runner.forward; `aux`: rank 0's capture of the aux layers' inputs (the residual
-        stream, replicated on every rank), as one process captures them."""
-        meta, payload = encode(self.kv.take_updates(), rows, cache_lens, tokens, last_only, num_layers, trees,
-                               self.kv.moved)
+        """As Runner.forward, on every rank; `aux`: rank 0's capture of the aux layers' inputs
+        (the residual stream, whole on every rank after each all-reduce: no collective)."""
+        updates = self.kv.take_updates()
+        meta, payload = encode(updates, rows, cache_lens, tokens, last_only, num_layers, trees, self.kv.moved,
+                               self.graphs is not None)
         self.kv.moved.clear()
         with self._failures():
             self.group.broadcast_header(meta)
             self.group.broadcast_header(payload)
-            return run_step(self, meta.tolist(), payload, hidden, aux)
+            if updates.shape[1]:
+                self.kv.apply_updates(updates)
+            return super().forward(rows, cache_lens, tokens, last_only, num_layers, trees, hidden, aux)
+
+    def capture_graphs(self, max_batch: int) -> None:
+        """Every rank captures the same graphs in the same order (their collectives pair up)."""
+        with self._failures():
+            self.group.broadcast_header(torch.tensor([CAPTURE, max_batch] + [0] * (META - 2)))
+            super().capture_graphs(max_batch)
 
     def forward_mixed(self, verify, prefill, trees=None):
         raise NotImplementedError("a tensor-parallel pass is one padded block (can_mix is False)")
@@ -220,9 +230,9 @@ def start_ranks(target: str, cfg, step_timeout_s: float = STEP_TIMEOUT_S, launch
 
 
 def follow(rank: int, size: int, port: int, target: str, cfg, step_timeout_s: float,
-           addr: str = "127.0.0.1") -> KVCache:
+           addr: str = "127.0.0.1") -> Runner:
     """A follower rank's whole life: join, load its shard, mirror rank 0's passes until STOP.
-    Returns its KV cache as STOP left it (its scales, for a caller that checks them)."""
+    Returns its runner as STOP left it (its KV scales and graphs, for a caller that checks them)."""
     from cluster.engine.worker.loader import load_model
 
     torch.set_num_threads(max(1, torch.get_num_threads() // size))  # on a CPU the ranks share the host's cores
@@ -231,22 +241,28 @@ def follow(rank: int, size: int, port: int, target: str, cfg, step_timeout_s: fl
         model = load_model(target, getattr(torch, cfg.dtype), group.device, group)  # float32, bfloat16, ...
         s = model.shape
         setup = group.broadcast_header(torch.zeros(SETUP, dtype=torch.int64)).tolist()
-        blocks, block_size, max_rows, max_tokens, is_fp8 = setup
+        blocks, block_size, max_rows, max_tokens, is_fp8, graph_width, prefill_chunk, graph_tokens = setup
         dtype = fp8.FP8 if is_fp8 else next(model.parameters()).dtype
         kv = KVCache(s.layers, blocks, block_size, s.kv_heads, s.head_dim, dtype, group.device,
                      max_rows, max_tokens, prefix_caching=False)
-        runner = Runner(model, kv, cfg.attention)
+        # rank 0 captures on a CPU only under the tests' stand-in (cluster.engine.worker.capture)
+        stand_in = eager_on_cpu() if graph_width and group.device.type == "cpu" else nullcontext()
+        with stand_in:
+            runner = Runner(model, kv, cfg.attention, graph_width, prefill_chunk, graph_tokens)
         meta = torch.zeros(META, dtype=torch.int64)
         with torch.inference_mode():
             while True:
                 m = group.broadcast_header(meta).tolist()
                 if m[0] == STOP:
                     break
+                if m[0] == CAPTURE:
+                    runner.graphs.capture_all(m[1])
+                    continue
                 payload = group.broadcast_header(torch.empty(payload_len(m), dtype=torch.int64))
                 if m[0] == CALIBRATE:
                     runner.calibrate(payload.tolist())
                 else:
-                    run_step(runner, m, payload, hidden=False)
+                    run_step(runner, m, payload)
     finally:
         group.close()
-    return kv
+    return runner

@@ -59,7 +59,9 @@ class _Graph:
             taken: list = []
             h = model(self.ids, *self._ctx(model, kv, width), num_layers, aux=taken if self.aux is not None else None)
             if out is not None:
-                out.copy_(model.logits(h, fp32=False))
+                y = model.logits(h, fp32=False)  # None on a tensor-parallel follower: rank 0 samples
+                if y is not None:
+                    out.copy_(y)
             if self.aux is not None:
                 self.aux.copy_(taken[0])
             return h, out

@@ -176,12 +176,16 @@ class Runner:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
         if graphs is not None:
-            graphs.capture_all(self.kv.max_rows)
+            self.capture_graphs(self.kv.max_rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         # seconds compiling and tuning kernels (eager passes), then capturing graphs
         self.warmup = {"kernels_s": t1 - t0, "graphs_s": time.perf_counter() - t1,
                        "graphs": len(graphs.graphs) if graphs is not None else 0}
+
+    def capture_graphs(self, max_batch: int) -> None:
+        """Every CUDA graph a step of up to `max_batch` rows replays (GraphRunner.capture_all)."""
+        self.graphs.capture_all(max_batch)
 
 
 def device_ints(xs: list[int], device) -> torch.Tensor:
