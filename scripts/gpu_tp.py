@@ -269,6 +269,9 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     a = parse(argv)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # captures, start-up
     if a.replot:
         plot(json.loads(Path(a.replot).read_text()), str(Path(a.replot).with_suffix(".png")))
         return 0
@@ -305,7 +308,7 @@ def main(argv=None) -> int:
         model = engine.runner.model
         s = model.shape
         rank_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        R.update(start_s=time.time() - t, weight_bytes_per_rank=rank_bytes, copy_bandwidth_Bps=bw,
+        R.update(start_s=time.time() - t, startup=engine.startup, weight_bytes_per_rank=rank_bytes, copy_bandwidth_Bps=bw,
                  ceiling_tokens_per_s=bw / rank_bytes, backend=engine.backend,
                  kv_blocks=engine.kv.pool.num_blocks, rank0_shape=str(s))
         if cuda:  # gpu_scale.roofline's inputs, per rank (each rank does 1/N of the FLOPs and bytes)

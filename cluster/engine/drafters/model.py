@@ -35,12 +35,15 @@ BLOCK = 16  # tokens per block of the drafter's own cache
 class ModelDrafter(Drafter):
     name = "model"
 
-    def __init__(self, model: CausalLM, num_slots: int = 64, max_len: int = 2048, *, look_ahead: str | None = "auto"):
+    def __init__(self, model: CausalLM, num_slots: int = 64, max_len: int = 2048, *, look_ahead: str | None = "auto",
+                 own_stream: bool = True):
         s = model.shape
         p = next(model.parameters())
         # Its own stream on a GPU: a draft launched while the target verifies runs beside it
         # (a small model's step is launches and syncs, which then overlap the verify pass).
-        self.stream = torch.cuda.Stream(p.device) if p.device.type == "cuda" else None
+        # Not beside a tensor-parallel target's CUDA graphs (own_stream False): there each new
+        # request's first draft call waited ~68 s (benchmarks/gpu/tp/README.md)
+        self.stream = torch.cuda.Stream(p.device) if p.device.type == "cuda" and own_stream else None
         self.look_ahead = ("free" if self.stream is not None else None) if look_ahead == "auto" else look_ahead
         # spare positions: a batched catch-up pads short rows to the longest (or a graph's width);
         # blocks for num_slots sequences of max_len tokens, shared as they come
