@@ -114,7 +114,7 @@ def kernels(bw: float) -> dict:
             out[f"{name}/{rows}"] = row
             print(name, rows, {a: (round(b, 4) if isinstance(b, float) else b) for a, b in row.items()
                                if a not in ("configs",)}, flush=True)
-        del ws
+        ws = None  # the copies go before the next shape
     return out
 
 

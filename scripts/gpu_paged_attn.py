@@ -72,7 +72,7 @@ def fa3_slot_time(B: int, ctx: int, T: int) -> float | None:
     meta = get_scheduler_metadata(B, T, kc.shape[1], H, HKV, D, lens, q.dtype, max_seqlen_k_new=T, causal=True)
     t = cuda_time(lambda: flash_attn_with_kvcache(q, kc, vc, k=k, v=k, cache_seqlens=lens, cache_batch_idx=idx,
                                                   causal=True, scheduler_metadata=meta))
-    del kc, vc
+    kc = vc = None  # freed before the next shape
     return t
 
 

@@ -77,7 +77,7 @@ def gemv_table(bw: float) -> dict:
             byts = w.numel() * 2
             row[f"m{m}"] = {"cublas_us": 1e6 * t_cublas, "triton_us": 1e6 * t_triton,
                             "cublas_of_bw": byts / t_cublas / bw, "triton_of_bw": byts / t_triton / bw}
-            del ws
+            ws = None  # freed before the next shape
         out[name] = row
         print(name, row, flush=True)
     return out

@@ -32,8 +32,7 @@ HERE = Path(__file__).resolve().parent
 DEMO = "cluster/models/demo/target"
 # phase -> (module, class or None, attribute): the first that exists in a checkout is wrapped
 PHASES = {
-    "schedule": [("cluster.engine.scheduling.scheduler", "Scheduler", "schedule_prefill"),
-                 ("cluster.engine.scheduling.scheduler", "Scheduler", "schedule_verify"),
+    "schedule": [("cluster.engine.scheduling.scheduler", "Scheduler", "schedule"),
                  ("cluster.engine.engine", "Engine", "_gammas")],
     "draft": [("cluster.engine.spec.drafting", "DraftPlanner", "draft"),
               ("cluster.engine.spec.drafting", "DraftPlanner", "ask_ahead")],
@@ -43,8 +42,7 @@ PHASES = {
     "acceptance": [("cluster.engine.engine", "Engine", "_acceptance")],
     "accept_stop": [("cluster.engine.engine", "Engine", "_accept"),
                     ("cluster.engine.engine", "Engine", "_keep_hidden")],
-    "outputs": [("cluster.engine.engine", "Engine", "_output"),
-                ("cluster.engine.engine", "Engine", "_outputs")],
+    "outputs": [("cluster.engine.engine", "Engine", "_output")],
 }
 ORDER = ["schedule", "draft", "inputs", "model", "acceptance", "accept_stop", "outputs", "other"]
 
