@@ -150,6 +150,17 @@ def test_a_failed_step_fails_its_requests_and_only_a_lost_rank_ends_the_core(eng
         core.close()
 
 
+def _run_then_all_aborted(core: Core, engine: Engine, run) -> None:
+    """Run the test's coroutine; then both of its requests were aborted and nothing is held."""
+    try:
+        asyncio.run(run())
+        stats = core.client.request_stats().result(timeout=30)
+        assert stats["aborted"] == 2 and stats["finished"] == 0 and stats["running"] == 0
+        assert engine.kv.held() == (0, 0)
+    finally:
+        core.close()
+
+
 class Held:
     """Wraps the runner's forward: while `hold` is clear, a step waits in its forward
     (`entered` set), as a long GPU step would."""
@@ -183,13 +194,7 @@ def test_submit_and_abort_never_wait_for_a_step(engine):
         assert sid not in engine.seqs
         core.client.abort(sid2)
 
-    try:
-        asyncio.run(run())
-        stats = core.client.request_stats().result(timeout=30)
-        assert stats["aborted"] == 2 and stats["finished"] == 0 and stats["running"] == 0
-        assert engine.kv.held() == (0, 0)
-    finally:
-        core.close()
+    _run_then_all_aborted(core, engine, run)
 
 
 def test_a_full_engine_refuses_at_once(engine):
@@ -227,10 +232,4 @@ def test_a_paused_core_takes_requests_and_aborts_but_runs_no_step(engine):
         await _first(core.client.queues[sid2][1])  # and steps go on
         core.client.abort(sid2)
 
-    try:
-        asyncio.run(run())
-        stats = core.client.request_stats().result(timeout=30)
-        assert stats["aborted"] == 2 and stats["finished"] == 0 and stats["running"] == 0
-        assert engine.kv.held() == (0, 0)
-    finally:
-        core.close()
+    _run_then_all_aborted(core, engine, run)
