@@ -88,5 +88,12 @@ class EngineConfig(BaseModel):
             raise ValueError("max_batch_tokens must hold one row of gamma_max + 1 tokens")
         return self
 
+    @property
+    def draft_stream(self) -> bool:
+        """Whether a draft model drafts on a CUDA stream of its own (beside the verify pass).
+        Not beside a tensor-parallel target's CUDA graphs: there each new request's first
+        draft call waited ~68 s (benchmarks/gpu/tp/README.md)."""
+        return self.tensor_parallel_size == 1 or not self.cuda_graphs
+
 
 DERIVED = ("device", "dtype", "attention", "gamma", "gamma_max")

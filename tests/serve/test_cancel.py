@@ -5,8 +5,10 @@ own counters (engine totals `finished` and `aborted`, running sequences, KV).
 gRPC allows a few lost cancels (GRPC_LOST_OK, below); SSE none. The engine is paused
 (Verifier.pause) once every stream has its first tokens and before the clients leave: how
 fast an abort crosses proxy, router and replica is a speed (past 1 s for a few streams in a
-full suite on 2 cores), and a sequence that outran its abort would end as `finished`. Paused, each sequence alive when its client left can end only by its abort. How
-soon they are freed is printed, not asserted (a speed, for benchmarks).
+full suite on 2 cores), and a sequence that outran its abort would end as `finished`.
+Paused, each sequence alive when its client left can end only by its abort (or, its cancel
+lost, by running on once the engine goes on). How soon they are freed is printed, not
+asserted (a speed, for benchmarks).
 """
 
 from __future__ import annotations

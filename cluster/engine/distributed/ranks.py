@@ -27,6 +27,7 @@ the replica goes down, rather than serving from a broken group.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from contextlib import contextmanager, nullcontext
@@ -42,7 +43,7 @@ from cluster.engine.worker.runner import Runner
 
 log = logging.getLogger(__name__)
 STOP, FORWARD, CALIBRATE, CAPTURE = 0, 1, 2, 3
-META = 9      # op, rows B, width T, table updates U, last_only, layers, tree section length (0: chains),
+META = 9      # op, rows B, tokens N (all rows, unpadded), table updates U, last_only, layers, tree section length (0: chains),
 #               KV slot moves M, graphs (0: an eager pass on every rank)
 #               (CALIBRATE: op, tokens, 0...; CAPTURE: op, max batch, 0...)
 SETUP = 8     # blocks, block_size, max_rows, max_tokens, fp8 cache (0 / 1), graph width (0: no graphs),
@@ -59,13 +60,13 @@ def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens
     copies since the last pass (accepted tree paths), which every follower repeats on its
     heads before this pass."""
     q_lens = [len(t) for t in tokens]
-    b, width = len(tokens), max(q_lens)
-    flat = [x for t in tokens for x in (t if len(t) == width else list(t) + [0] * (width - len(t)))]
+    b = len(tokens)
+    flat = [x for t in tokens for x in t]  # unpadded: each rank's Runner.forward pads as rank 0's does
     tree = []
     if trees is not None and any(t is not None for t in trees):
         tree = [len(t) + 1 if t is not None else 0 for t in trees] + [p for t in trees if t is not None for p in t]
     moved = [s for s, _ in moves] + [d for _, d in moves]
-    meta = torch.tensor([FORWARD, b, width, updates.shape[1], int(last_only), num_layers or 0, len(tree), len(moves),
+    meta = torch.tensor([FORWARD, b, len(flat), updates.shape[1], int(last_only), num_layers or 0, len(tree), len(moves),
                          int(graphs)], dtype=torch.int64)
     payload = torch.cat([torch.tensor(rows + cache_lens + q_lens + flat + tree + moved, dtype=torch.int64),
                          updates.flatten()])
@@ -75,8 +76,8 @@ def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens
 def payload_len(meta: list[int]) -> int:
     if meta[0] == CALIBRATE:
         return meta[1]
-    _, b, width, num_updates, _, _, num_tree, num_moves, _ = meta
-    return 3 * b + b * width + num_tree + 2 * num_moves + 3 * num_updates
+    _, b, num_tokens, num_updates, _, _, num_tree, num_moves, _ = meta
+    return 3 * b + num_tokens + num_tree + 2 * num_moves + 3 * num_updates
 
 
 def decode_trees(section: list[int], b: int) -> list[list[int] | None]:
@@ -91,16 +92,17 @@ def decode_trees(section: list[int], b: int) -> list[list[int] | None]:
 def run_step(runner: Runner, meta: list[int], payload: torch.Tensor) -> None:
     """A follower's pass from its header: the KV changes rank 0 made, then the Runner.forward
     rank 0 runs, with the same arguments (its logits stay on rank 0: only rank 0 samples)."""
-    _, b, width, num_updates, last_only, num_layers, num_tree, num_moves, graphs = meta
+    _, b, num_tokens, num_updates, last_only, num_layers, num_tree, num_moves, graphs = meta
     head, updates = payload[:len(payload) - 3 * num_updates].tolist(), payload[len(payload) - 3 * num_updates:]
     rows, lens, q_lens = head[:b], head[b:2 * b], head[2 * b:3 * b]
-    at = 3 * b + b * width
+    at = 3 * b + num_tokens
     ids, tree, moves = head[3 * b:at], head[at:at + num_tree], head[at + num_tree:]
     if num_moves:
         runner.kv.copy_slots(moves[:num_moves], moves[num_moves:])
     if num_updates:
         runner.kv.apply_updates(updates.view(3, num_updates))
-    tokens = [ids[i * width:i * width + q] for i, q in enumerate(q_lens)]
+    ends = list(itertools.accumulate(q_lens))
+    tokens = [ids[e - q:e] for e, q in zip(ends, q_lens)]
     kept = runner.graphs
     runner.graphs = kept if graphs else None
     try:

@@ -41,8 +41,7 @@ class ModelDrafter(Drafter):
         p = next(model.parameters())
         # Its own stream on a GPU: a draft launched while the target verifies runs beside it
         # (a small model's step is launches and syncs, which then overlap the verify pass).
-        # Not beside a tensor-parallel target's CUDA graphs (own_stream False): there each new
-        # request's first draft call waited ~68 s (benchmarks/gpu/tp/README.md)
+        # own_stream False: on the caller's stream (EngineConfig.draft_stream says when)
         self.stream = torch.cuda.Stream(p.device) if p.device.type == "cuda" and own_stream else None
         self.look_ahead = ("free" if self.stream is not None else None) if look_ahead == "auto" else look_ahead
         # spare positions: a batched catch-up pads short rows to the longest (or a graph's width);
