@@ -111,6 +111,15 @@ def test_per_client_limit_is_exhausted_and_released():
         pass
 
 
+def test_router_capacity_is_exhausted_and_released():
+    adm = make({"max_inflight": 2})
+    with adm.slot("a"), adm.slot("b"):
+        assert "router at capacity (2 requests in flight)" in refused(ErrorKind.EXHAUSTED, adm.slot("c").__enter__)
+    assert adm.inflight == 0 and not adm.per_client
+    with adm.slot("c"), adm.slot("c"):  # both places came back
+        pass
+
+
 def test_router_replicas_share_a_clients_limit():
     """Three routers with a limit of 7: each admits 2 of a client's requests, 6 in all."""
     routers = [make({"per_client_concurrency": 7, "num_replicas": 3}) for _ in range(3)]
