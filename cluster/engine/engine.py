@@ -243,9 +243,9 @@ class Engine:
         feeds = [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts.tokens)]
         pipelined = not chunks and self._pipelined(seqs, drafts)
         first: list[Sequence] = []
-        if pipelined:
-            out = self.pipeline.step(seqs, launch_next=all(self._left(s) > 1 for s in seqs))
-            pipelined = self.pipeline.hit
+        if pipelined:  # rows that joined after the step launched ahead wait for the next one
+            seqs, out, pipelined = self.pipeline.step(seqs, launch_next=any(self._left(s) > 1 for s in seqs))
+            feeds = [[s.token_ids[-1]] for s in seqs]
             accepted = self._accept(seqs, out, [0] * len(seqs))
         else:
             if self.pipeline is not None:

@@ -89,3 +89,46 @@ def test_launch_ahead_is_dropped_when_rows_change(engines):
         e.step()
     assert e.pipeline.hits == hits + 1  # the second decode step of "two" only: "one"'s launch was dropped
     assert b not in e.seqs and e.kv.held() == (0, 0)
+
+
+def test_a_launch_ahead_outlives_finishes_and_arrivals(random_models, tokenizer):
+    """Rows ending (by length, a stop string, an abort) drop only their own launched rows, and a
+    row that arrives after a launch waits one step and joins the next: after the first two
+    decode steps no step runs afresh, and every token is plain stepping's."""
+    greedy = lambda n, **kw: SamplingParams(max_tokens=n, ignore_eos=True, **kw)  # noqa: E731
+    off = SpecParams("off")
+    script = {0: [("add", "def f(x):\n    return", greedy(40), off), ("add", "abcabc", greedy(6), off),
+                  ("add", "hello there", greedy(30, stop=["\x86"]), off), ("add", "zzz", greedy(30), off)],
+              9: [("add", "the quick brown fox", greedy(12), off)],
+              14: [("abort", 3)]}
+    plain, piped = make_engine(random_models, tokenizer, False), make_engine(random_models, tokenizer, True)
+    expected, got = run(plain, script), run(piped, script)
+    assert got == expected and all(got.values())
+    assert len(got[2]) < 30  # the stop string ended it
+    p = piped.pipeline
+    assert p.fresh == 2  # the first decode step (it launches nothing) and the second (nothing was launched)
+    assert p.deferred_rows == 1  # the late arrival waited one step
+    assert p.dropped_rows >= 2  # "abcabc" (length) and the aborted row at least
+    assert p.hits > 20
+    assert piped.kv.held() == (0, 0) and not piped.seqs
+
+
+def test_a_launch_ahead_survives_preemption(random_models, tokenizer):
+    """A pool too small for the batch preempts rows that a launch covered: their launched rows
+    are dropped, they are recomputed later, and no token differs from roomy plain stepping."""
+    from cluster.engine.scheduling.kv_cache import block_bytes
+
+    prompts = ["def f(x):\n    return", "abcabc", "hello there", "zzz", "the quick brown fox", "x = [1, 2"]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    roomy = make_engine(random_models, tokenizer, False).generate(prompts, params, SpecParams("off"))
+    target = load_model(random_models["llama"], torch.float32, "cpu")
+    s = target.shape
+    gb = 40 * block_bytes(s.layers, 4, s.kv_heads, s.head_dim, torch.float32) / 2**30
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=96, block_size=4, max_batch_tokens=64, prefill_chunk=16,
+                       kv_cache_gb=gb)
+    with eager_on_cpu():
+        tight = Engine(target, tokenizer, cfg, {}, None)
+    out = tight.generate(prompts, params, SpecParams("off"))
+    assert tight.scheduler.preemptions > 0 and tight.pipeline.hits > 0 and tight.pipeline.dropped_rows > 0
+    assert [r["token_ids"] for r in out] == [r["token_ids"] for r in roomy]
+    assert tight.kv.held() == (0, 0) and not tight.seqs

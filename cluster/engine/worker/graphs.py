@@ -112,7 +112,6 @@ class GraphRunner:
             self.aux = torch.empty(rows * model.shape.hidden * len(model.aux_layers), dtype=w.dtype, device=w.device)
         self.max_batch_seen = 1
         self.max_batch, self.device = BUCKETS[-1], kv.k.device
-        self.last: tuple[_Graph, int] | None = None  # the graph replayed last and its live rows
 
     @torch.inference_mode()
     def capture_all(self, max_batch: int) -> None:
@@ -170,14 +169,12 @@ class GraphRunner:
         b, width = len(tokens), self._width(max(map(len, tokens)))
         g = self._prepare(rows, cache_lens, tokens, width, num_layers)
         g.graph.replay()
-        if width <= self.max_width:  # a prefill pass between pipelined decode steps keeps `last`
-            self.last = (g, b) if width == 1 and num_layers is None else None
         return (None if g.out is None else g.out[:b]), g.hidden[:b], (None if g.aux is None else g.aux[:b])
 
     @torch.inference_mode()
     def decode(self, rows: list[int], cache_lens: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """A one-token step whose tokens ([B] int64) are already on the device: [B, V] logits
-        (a static buffer), with no host round trip. Leaves `last` alone (a drafter's chain)."""
+        (a static buffer), with no host round trip (a drafter's chain)."""
         b = len(rows)
         g = self._prepare(rows, cache_lens, [()] * b, 1, None)
         g.ids[:b, 0].copy_(tokens)
@@ -199,15 +196,16 @@ class GraphRunner:
         return g
 
     @torch.inference_mode()
-    def replay_next(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The decode step after the last one (full model, one token per row), fed `tokens`
-        ([B] on the device) with no host round trip: each row's length grows by one.
-        Returns its [B, 1, V] logits (a static buffer, as forward's)."""
-        g, b = self.last
-        g.ids[:b, 0].copy_(tokens)
-        g.lens[:b].add_(1)
+    def launch(self, rows: list[int], cache_lens: list[int], tokens: list[list[int]],
+               carried: torch.Tensor) -> torch.Tensor:
+        """A one-token step whose first k rows take their tokens from `carried` ([k] int64 on
+        the device: a step's tokens before the host has read them) and the rest from
+        `tokens` (the first k entries are placeholders): no host round trip for the carried
+        rows. Returns its [B, 1, V] logits (a static buffer, as forward's)."""
+        g = self._prepare(rows, cache_lens, tokens, 1, None)
+        g.ids[:carried.shape[0], 0].copy_(carried)
         g.graph.replay()
-        return g.out[:b]
+        return g.out[:len(rows)]
 
 
 def fill_inputs(host, tokens, rows, cache_lens, width: int, bk: int, scratch_row: int) -> None:

@@ -1,18 +1,24 @@
 """Greedy plain-decoding steps run one step ahead on the GPU.
 
 A decode step's host work (accepting tokens, stop checks, detokenizing, scheduling the next
-step) otherwise leaves the GPU idle between graph replays: ~0.2 ms of a 6 ms step at batch 1
-on an H100 (8B shape). Here each step's argmax stays on the device and feeds the next step's
-graph at once, before the host reads this step's tokens, so that host work overlaps the next
-step's weight streaming.
+step) otherwise leaves the GPU idle between graph replays. Here each step's argmax stays on
+the device and feeds the next step's graph at once, before the host reads this step's tokens,
+so that host work overlaps the next step's weight streaming (SGLang's overlap scheduler and
+vLLM's async scheduling do the same: the next batch's input ids are this batch's sampled ids,
+resolved on the device).
 
-The launched-ahead step assumes every row continues. When the next step's rows turn out
-different (a row finished or was aborted, a request arrived, drafts were asked for), its
-result is dropped: it only wrote K/V past each row's length, which nothing reads and the
-next real step overwrites. Greedy rows only: sampled rows draw from per-request CPU
-generators, so their next input is not known on the device. Nothing is launched ahead from
-the first plain step after a speculative one: a controller probing gamma 0 for one step
-would otherwise throw away a whole forward pass each time.
+The launched-ahead step assumes every row continues. The next step uses it for the rows it
+covered whatever else changed:
+- a row that finished here (EOS, a stop string, its length) or was aborted is not scheduled
+  again, and its launched result is dropped: it only wrote the K/V of the row's own last
+  token, in a position the scheduler kept for it, which nothing reads once the row is freed
+  (the next pass that reuses the blocks runs after it on the same stream);
+- a row that joined after the launch (its prompt prefilled meanwhile) waits one step and joins
+  the next launch with its first token from the host: a launch is never thrown away for it.
+Only a step none of whose rows the launch covered runs afresh. Greedy rows only: sampled rows
+draw from per-request CPU generators, so their next input is not known on the device. Nothing
+is launched ahead from the first plain step after a speculative one: a controller probing
+gamma 0 for one step would otherwise throw away a whole forward pass each time.
 """
 
 from __future__ import annotations
@@ -22,11 +28,16 @@ from dataclasses import dataclass
 import torch
 
 from cluster.engine.scheduling.sequence import Sequence
+from cluster.engine.worker.runner import device_ints
+
+
+def _key(seq: Sequence, ahead: int = 0) -> tuple:
+    return seq.seq_id, seq.kv.row, seq.num_cached + ahead
 
 
 @dataclass
 class _Ahead:
-    key: tuple          # (seq_id, table row, cache length) per row the launch assumed
+    index: dict[tuple, int]  # (seq_id, table row, cache length) the launch assumed -> its row
     tokens: torch.Tensor  # [B] int64 on the device: that step's greedy tokens
 
 
@@ -37,42 +48,62 @@ class DecodePipeline:
         self.host = graphs.capture.host(graphs.max_batch)
         self.copied = graphs.capture.event()  # this step's tokens are on the host
         self.launched = 0  # steps launched ahead
-        self.hits = 0  # steps whose launch ahead was used
+        self.hits = 0  # steps that used a launch ahead
+        self.fresh = 0  # steps run afresh (no row of theirs was launched)
+        self.dropped_rows = 0  # launched rows no step used (finished, aborted, preempted)
+        self.deferred_rows = 0  # rows that waited a step for the next launch
         self.streak = 0  # plain steps in a row
-        self.hit = False
 
     def interrupt(self) -> None:
         """A step ran another way (drafts, sampling): drop any launch ahead."""
+        if self.ahead is not None:
+            self.dropped_rows += len(self.ahead.index)
         self.ahead, self.streak = None, 0
 
     def eligible(self, seqs: list[Sequence]) -> bool:
         return self.graphs.eligible(len(seqs), 1) and all(s.params.greedy for s in seqs)
 
     @torch.inference_mode()
-    def step(self, seqs: list[Sequence], launch_next: bool) -> list[list[int]]:
-        """One greedy token per row (each row fed its last token): [[t], ...]. `launch_next`:
-        start the following step now (False where a row ends here by length)."""
-        b = len(seqs)
+    def step(self, seqs: list[Sequence], launch_next: bool) -> tuple[list[Sequence], list[list[int]], bool]:
+        """One greedy token per row (each row fed its last token): (the rows that ran, [[t], ...]
+        for them, whether a launch ahead served them); rows that joined after the launch wait
+        for the next one. `launch_next`: start the following step now (False where every row
+        ends here by length)."""
         # the scheduler grew the rows' tables for this step and the one launched ahead: the
         # replays read them on the device (Runner.forward syncs its own passes)
         self.graphs.kv.sync()
-        key = tuple((s.seq_id, s.kv.row, s.num_cached) for s in seqs)
-        self.hit = self.ahead is not None and self.ahead.key == key  # this step was launched ahead
-        if self.hit:
-            tokens, self.hits = self.ahead.tokens, self.hits + 1
+        ahead, self.ahead = self.ahead, None
+        idx = [ahead.index.get(_key(s)) for s in seqs] if ahead is not None else [None] * len(seqs)
+        hit = any(i is not None for i in idx)
+        if hit:  # rows the launch covered; the rest wait a step
+            run = [s for s, i in zip(seqs, idx) if i is not None]
+            wait = [s for s, i in zip(seqs, idx) if i is None]
+            used = [i for i in idx if i is not None]
+            tokens = ahead.tokens
+            if used != list(range(len(ahead.index))):
+                tokens = tokens[device_ints(used, tokens.device)]
+            self.hits += 1
+            self.dropped_rows += len(ahead.index) - len(used)
+            self.deferred_rows += len(wait)
         else:
+            if ahead is not None:
+                self.dropped_rows += len(ahead.index)
+            run, wait = seqs, []
+            self.fresh += 1
             logits, _, _ = self.graphs.forward([s.kv.row for s in seqs], [s.num_cached for s in seqs],
-                                            [[s.token_ids[-1]] for s in seqs])
+                                               [[s.token_ids[-1]] for s in seqs])
             tokens = logits[:, 0].argmax(-1)
-        self.ahead = None
-        host = self.host[:b]
+        host = self.host[:len(run)]
         host.copy_(tokens, non_blocking=True)
         self.copied.record()
         self.streak += 1
         if launch_next and self.streak > 1:  # EOS and stop strings are not known yet: a finished row drops it
-            logits = self.graphs.replay_next(tokens)
+            rows = run + wait
+            logits = self.graphs.launch([s.kv.row for s in rows],
+                                        [s.num_cached + 1 for s in run] + [s.num_cached for s in wait],
+                                        [[0]] * len(run) + [[s.token_ids[-1]] for s in wait], tokens)
             self.launched += 1
-            self.ahead = _Ahead(tuple((s.seq_id, s.kv.row, s.num_cached + 1) for s in seqs),
-                                logits[:, 0].argmax(-1))
+            self.ahead = _Ahead({_key(s, 1): b for b, s in enumerate(run)}
+                                | {_key(s): len(run) + b for b, s in enumerate(wait)}, logits[:, 0].argmax(-1))
         self.copied.synchronize()
-        return [[t] for t in host.tolist()]
+        return run, [[t] for t in host.tolist()], hit
