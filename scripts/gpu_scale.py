@@ -57,14 +57,19 @@ def time_replays() -> None:
 
 def measured(engine, fn) -> tuple[dict, dict]:
     """fn's result, and the engine's steps, graph GPU seconds and host ms per step meanwhile."""
-    steps0, REPLAYS[:] = engine.totals["steps"], []
+    p = engine.pipeline
+    counters = lambda: {k: getattr(p, k) for k in ("launched", "hits", "fresh", "deferred_rows", "dropped_rows")} if p else {}  # noqa: E731
+    steps0, prefill0, ahead0, REPLAYS[:] = engine.totals["steps"], engine.totals["prefill_steps"], counters(), []
     t = time.perf_counter()
     out = fn()
     wall = time.perf_counter() - t
     torch.cuda.synchronize()
     gpu = sum(a.elapsed_time(b) for a, b in REPLAYS) / 1e3
     steps = engine.totals["steps"] - steps0
-    return out, {"steps": steps, "graph_gpu_s": gpu, "wall_s": wall, "host_ms_per_step": 1e3 * (wall - gpu) / max(steps, 1)}
+    # the launch-ahead pipeline: steps that used a launch, ran afresh, rows that waited a step or were dropped
+    ahead = {k: v - ahead0[k] for k, v in counters().items()}
+    return out, {"steps": steps, "prefill_steps": engine.totals["prefill_steps"] - prefill0, "launch_ahead": ahead,
+                 "graph_gpu_s": gpu, "wall_s": wall, "host_ms_per_step": 1e3 * (wall - gpu) / max(steps, 1)}
 
 
 def sweep(engine, R: dict) -> None:

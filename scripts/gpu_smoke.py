@@ -102,6 +102,35 @@ def greedy_run(engine, prompts, spec: SpecParams, drafter: str | None = None, to
             "accepted": sum(s["accepted"] for s in spec_d)}
 
 
+def staggered_run(engine, prompts: list[list[int]], lengths: list[int], concurrency: int, tol: float = 0.5) -> dict:
+    """Greedy plain requests kept `concurrency` in flight, each its own length: rows finish and
+    arrive while steps run ahead. Every token checked as greedy_run does, and the launch-ahead
+    counters: a step runs afresh only when no launch covered any of its rows."""
+    p = engine.pipeline
+    before = (p.hits, p.fresh, p.deferred_rows, p.dropped_rows)
+    queue, live, out = list(zip(prompts, lengths)), set(), {}
+    while queue or live:
+        while queue and len(live) < concurrency:
+            ids, n = queue.pop(0)
+            sid = engine.add_request(ids, SamplingParams(max_tokens=n, ignore_eos=True), SpecParams("off"))
+            live.add(sid)
+            out[sid] = (ids, n, [])
+        for o in engine.step():
+            out[o.seq_id][2].extend(o.token_ids)
+            if o.finished:
+                live.discard(o.seq_id)
+    worst = 0.0
+    for ids, n, got in out.values():
+        assert len(got) == n, f"{len(got)} tokens, not {n}"
+        worst = max(worst, max(margins(engine, ids, got)))
+    assert worst <= tol, f"a token {worst:.2f} logits below the eager pass's argmax (tol {tol})"
+    hits, fresh, deferred, dropped = (a - b for a, b in zip((p.hits, p.fresh, p.deferred_rows, p.dropped_rows), before))
+    need(deferred > 0 and dropped > 0, f"no row joined ({deferred}) or left ({dropped}) a launch")
+    need(fresh <= 2, f"{fresh} steps ran afresh (the first two only, expected)")
+    return {"max_margin": round(worst, 3), "hits": hits, "fresh": fresh, "deferred_rows": deferred,
+            "dropped_rows": dropped}
+
+
 def sync() -> None:
     if GPU:
         torch.cuda.synchronize()
@@ -143,6 +172,15 @@ def part_8b() -> None:
         return greedy_run(e, prompts, SpecParams("off"), params=SamplingParams(max_tokens=32, ignore_eos=True))
 
     check("plain_batch_64", batch64)
+
+    def arrivals():
+        from cluster.bench.workloads import code_prompts
+
+        prompts = [e.tokenizer.encode(t)[:200] for t in code_prompts(24, chars=2000, seed=5)]
+        e.pipeline.interrupt()  # as a fresh engine: the first two decode steps launch nothing ahead
+        return staggered_run(e, prompts, [16 + 8 * (i % 4) for i in range(24)], 8)
+
+    check("plain_arrivals_launch_ahead", arrivals)
     for name, drafter, g in (("draft_model", "model", 4), ("ngram", "ngram", 4), ("early_exit", "early-exit", 3)):
         check(name, lambda d=drafter, g=g: greedy_run(e, PROMPTS, SpecParams("fixed", g), d))
 
