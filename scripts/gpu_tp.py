@@ -1,6 +1,7 @@
 """The 70B-shaped demo target split over N GPUs of one host (issue 29): the engine as
 build_engine starts it under engine.tensor_parallel_size (rank 0 here, ranks 1..N-1 spawned,
-NCCL; CUDA graphs on every rank, `GRAPHS=0` for eager passes), bf16, the draft model
+NCCL, small all-reduces one-shot (`ONE_SHOT_KB=0`: NCCL only); CUDA graphs on every rank,
+`GRAPHS=0` for eager passes), bf16, the draft model
 demo-8b-draft on rank 0's GPU.
 
     TP=2 bash scripts/gpu_py.sh gpu_tp.py          # on nvidia-h100-x2; $OUT/gpu_tp.json + .png
@@ -244,6 +245,8 @@ def parse(argv=None):
     p.add_argument("--parts", default=env("PARTS", "batch1,verify,spec,sweep"))
     p.add_argument("--eager", action="store_true", default=env("GRAPHS", "1") == "0",
                    help="no CUDA graphs (GRAPHS=0): the eager passes, for a same-machine baseline")
+    p.add_argument("--one-shot-kb", type=int, default=int(env("ONE_SHOT_KB", "512")),
+                   help="engine.tp_one_shot_kb (ONE_SHOT_KB): all-reduces up to this size one-shot; 0: NCCL only")
     p.add_argument("--levels", default=env("LEVELS", "1,8,32,128"))
     p.add_argument("--gammas", default=env("GAMMAS", "2,3,4,6"))
     p.add_argument("--kv-gb", type=float, default=float(env("KV_GB", "0")),
@@ -263,7 +266,7 @@ def parse(argv=None):
         a.tp, a.levels, a.gammas, a.overrides = 2, [1, 2], [2, 4], dict(SMOKE)
         a.new, a.warm, a.iters, a.ctx, a.prompt_len, a.out_range = 8, 2, 2, 32, 24, (4, 8)
     a.name = a.name or f"gpu_tp{a.tp}" + ("_cpu_smoke" if a.cpu_smoke else f"_l{a.layers}" if a.layers else "") + \
-        ("_eager" if a.eager else "")
+        ("_eager" if a.eager else "") + ("_nccl" if not a.one_shot_kb else "")
     return a
 
 
@@ -283,7 +286,8 @@ def main(argv=None) -> int:
     cfg = ClusterConfig.model_validate({
         "models": {"target": target, "draft": a.draft, "drafter": "model", "device": "cuda" if cuda else "cpu",
                    "dtype": "bfloat16" if cuda else "float32"},
-        "engine": {"tensor_parallel_size": a.tp, "cuda_graphs": a.graphs, "max_num_seqs": max(64, max(a.levels)) if cuda else 8,
+        "engine": {"tensor_parallel_size": a.tp, "cuda_graphs": a.graphs, "tp_one_shot_kb": a.one_shot_kb,
+                   "max_num_seqs": max(64, max(a.levels)) if cuda else 8,
                    "max_model_len": 2048 if cuda else 512,
                    "max_waiting": 1024, "max_batch_tokens": 2048, "prefill_chunk": 512, "kv_cache_gb": kv_gb,
                    "compile": False, "prefix_caching": True},
@@ -293,7 +297,7 @@ def main(argv=None) -> int:
     R: dict = {"label": label, "device": torch.cuda.get_device_name() if cuda else "cpu", "tp": a.tp,
                "gpus": torch.cuda.device_count() if cuda else 0, "torch": torch.__version__,
                "command": " ".join(["python3", "scripts/gpu_tp.py", *(argv or sys.argv[1:])]),
-               "env": {k: os.environ[k] for k in ("TP", "PARTS", "LEVELS", "LAYERS", "GAMMAS", "KV_GB", "GRAPHS")
+               "env": {k: os.environ[k] for k in ("TP", "PARTS", "LEVELS", "LAYERS", "GAMMAS", "KV_GB", "GRAPHS", "ONE_SHOT_KB")
                        if k in os.environ},
                "engine": cfg.engine.model_dump(), "target_overrides": a.overrides}
     from cluster.serve.build import build_engine

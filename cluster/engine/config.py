@@ -56,6 +56,12 @@ class EngineConfig(BaseModel):
     """Ranks (GPUs of one node) a verifier's target is split over: heads, MLP features and the
     vocabulary (cluster.engine.worker.sharding). Attention heads must divide by it, and KV heads
     divide by it or it by them. 1: one process, no collectives."""
+    tp_one_shot_kb: int = Field(512, ge=0)
+    """Under tensor parallelism on CUDA, all-reduces up to this many KB (decode and verify
+    passes of a few rows) run as one-shot kernels over symmetric memory
+    (torch.distributed._symmetric_memory: each rank reads its peers' buffers over NVLink), the
+    rest through NCCL; vLLM and SGLang use such a custom all-reduce for the same small messages.
+    0: NCCL for all."""
     draft_look_ahead: bool = True
     """A model drafter on a GPU drafts the next step while the target verifies, guessing
     every draft is accepted; a right guess saves that step's drafting. Remote drafters look

@@ -222,7 +222,7 @@ def start_ranks(target: str, cfg, step_timeout_s: float = STEP_TIMEOUT_S, launch
     port = free_port()
     procs = [launch(r, size, addr, port, str(target), cfg, step_timeout_s) for r in range(1, size)]
     try:
-        group = init_group(0, size, addr, port, cfg.device, step_timeout_s)
+        group = init_group(0, size, addr, port, cfg.device, step_timeout_s, cfg.tp_one_shot_kb, getattr(torch, cfg.dtype))
     except BaseException:
         for p in procs:
             p.terminate()
@@ -238,7 +238,8 @@ def follow(rank: int, size: int, port: int, target: str, cfg, step_timeout_s: fl
     from cluster.engine.worker.loader import load_model
 
     torch.set_num_threads(max(1, torch.get_num_threads() // size))  # on a CPU the ranks share the host's cores
-    group = init_group(rank, size, addr, port, cfg.device, step_timeout_s)
+    group = init_group(rank, size, addr, port, cfg.device, step_timeout_s, cfg.tp_one_shot_kb,
+                       getattr(torch, cfg.dtype))
     try:
         model = load_model(target, getattr(torch, cfg.dtype), group.device, group)  # float32, bfloat16, ...
         s = model.shape
