@@ -76,29 +76,54 @@ class Group:
         return x
 
     def enable_one_shot(self, max_kb: int, dtype: torch.dtype) -> None:
-        """Small all-reduces through OneShot, on every rank at once (a collective), if a
-        check pass gives NCCL's sums; otherwise (no symmetric memory here, a wrong sum) NCCL
-        stays, with a warning."""
+        """Small all-reduces through OneShot, decided on every rank at once (collectives):
+        only if it gives NCCL's sums eagerly and from a captured CUDA graph. Otherwise (no
+        symmetric memory here, a failed capture, a wrong sum) NCCL stays, with a warning. Each
+        phase starts only once every rank finished the last: a one-shot kernel waits for all
+        its peers, so a rank that dropped out would hang the others' GPUs."""
         if not max_kb or self.device.type != "cuda" or self.size == 1:
             return
-        one, ok = None, False
-        try:
+        one = None
+        # small integers: every sum is exact in bf16, whatever order a kernel adds in
+        gen = torch.Generator(device=self.device).manual_seed(self.rank)
+        x = torch.randint(-8, 9, (4096,), generator=gen, device=self.device).to(dtype)
+        want = x.clone()
+        dist.all_reduce(want, group=self.step_group)
+
+        def made():
+            nonlocal one
             one = OneShot(self.step_group, max_kb * 1024, dtype, self.device)
-            # small integers: every sum is exact in bf16, whatever order a kernel adds in
-            gen = torch.Generator(device=self.device).manual_seed(self.rank)
-            x = torch.randint(-8, 9, (4096,), generator=gen, device=self.device).to(dtype)
-            want = x.clone()
-            dist.all_reduce(want, group=self.step_group)
-            ok = torch.equal(one(x), want)
+            return True
+
+        graph, y = torch.cuda.CUDAGraph(), x.clone()
+
+        def captured():
+            with torch.cuda.graph(graph):
+                one(y)
+            return True
+
+        def replayed():
+            y.copy_(x)
+            graph.replay()
+            return torch.equal(y, want)
+
+        for phase in (made, lambda: torch.equal(one(x.clone()), want), captured, replayed):
+            if not self._agree(phase):
+                log.warning("one-shot all-reduce unavailable: NCCL for all sizes")
+                return
+        self.one_shot = one
+        log.info("rank %d: all-reduces up to %d KB one-shot over symmetric memory", self.rank, max_kb)
+
+    def _agree(self, phase) -> bool:
+        """Whether `phase()` returned True on every rank (an exception counts as False)."""
+        try:
+            ok = bool(phase())
         except Exception as e:  # noqa: BLE001 - NCCL serves every size; this only speeds small ones
-            log.warning("one-shot all-reduce unavailable on rank %d (%s: %s)", self.rank, type(e).__name__, e)
-        agreed = torch.tensor([int(ok)], device=self.device)  # every rank joins, whatever happened above
+            log.warning("rank %d: one-shot all-reduce check failed (%s: %s)", self.rank, type(e).__name__, e)
+            ok = False
+        agreed = torch.tensor([int(ok)], device=self.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.step_group)
-        if agreed.item():
-            self.one_shot = one
-            log.info("rank %d: all-reduces up to %d KB one-shot over symmetric memory", self.rank, max_kb)
-        else:
-            log.warning("one-shot all-reduce failed its check on some rank: NCCL for all sizes")
+        return bool(agreed.item())
 
     def all_max(self, x: torch.Tensor) -> torch.Tensor:
         """Elementwise maximum of x over ranks, in place (each rank's amax of its own heads
