@@ -165,6 +165,7 @@ def worker(args) -> None:
     wrapped = install(timers)
     batches = [int(b) for b in args.batches.split(",")]
     engine = build_engine(max(batches))
+    engine.detokenize = args.detokenize == "on"  # off: as the serving core runs it (cluster.serve.core)
     print(json.dumps({"wrapped": wrapped}), flush=True)
     prof = None
     if args.profile:
@@ -189,7 +190,8 @@ def run(args) -> None:
         for label, path in codes:
             env = {**os.environ, "PYTHONPATH": str(Path(path).resolve())}
             cmd = [sys.executable, __file__, "--worker", "--batches", args.batches, "--modes", args.modes,
-                   "--steps", str(args.steps), "--threads", str(args.threads)] + (["--profile"] if args.profile else [])
+                   "--steps", str(args.steps), "--threads", str(args.threads), "--detokenize", args.detokenize] + \
+                (["--profile"] if args.profile else [])
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=Path(path).resolve())
             if out.returncode:
                 sys.exit(f"{label} failed:\n{out.stderr[-3000:]}")
@@ -205,7 +207,7 @@ def run(args) -> None:
     from cluster.bench.report import write_json
 
     path = write_json(args.out, "host_step", {"batches": args.batches, "modes": args.modes, "steps": args.steps,
-                                              "reps": args.reps, "code": dict(codes), "summary": summary,
+                                              "reps": args.reps, "detokenize": args.detokenize, "code": dict(codes), "summary": summary,
                                               "runs": results})
     plot(path, summary)
 
@@ -269,6 +271,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--detokenize", choices=("on", "off"), default="on",
+                    help="off: text left to the consumer but where stop strings need it, as the serving core runs")
     ap.add_argument("--profile", action="store_true", help="cProfile the largest batch; top functions to stdout")
     ap.add_argument("--out", default=str(HERE))
     ap.add_argument("--replot", help="a host_step.json to summarise and plot again")

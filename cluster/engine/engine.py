@@ -81,8 +81,8 @@ class Engine:
         if cfg.kv_cache_dtype == "fp8":  # through the runner: a tensor-parallel one calibrates every rank
             self.runner.calibrate(fp8.calibration_tokens(tokenizer))
         self.backend = model.backend.name
-        self.pipeline = (DecodePipeline(self.runner.graphs)  # it replays past forward: followers would not
-                         if self.runner.graphs is not None and model.group is None else None)
+        # not under TP: it replays past forward, where followers would not follow
+        self.pipeline = DecodePipeline(self.runner.graphs) if self.runner.graphs and model.group is None else None
         self.scheduler = Scheduler(cfg, self.kv, mixed=cfg.mixed_prefill and self.runner.can_mix)
         self.drafters = drafters or {}
         self.default_drafter = default_drafter
@@ -100,8 +100,8 @@ class Engine:
         self._controller = None
         self.cluster_inflight = 0  # requests in flight cluster-wide, set by the serving layer
         self.on_verify: Callable[[object], None] | None = None  # StepObservation hook (metrics, autoscaling)
-        self._ids = itertools.count()
-        self._last_end: float | None = None  # end of the previous step, if it was a verify step
+        self.detokenize = True  # False: text only where stop strings need it (cluster.serve.core_client decodes)
+        self._ids, self._last_end = itertools.count(), None  # _last_end: the last verify step's end
         # seconds waiting for drafts / in verify passes (with acceptance) / in mixed ones (prompt
         # chunks too); requests that ended by finishing (eos, stop, length) / by abort
         self.totals = {"steps": 0, "prefill_steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0,
@@ -374,7 +374,7 @@ class Engine:
     def _output(self, seq: Sequence) -> RequestOutput:
         ids = seq.token_ids[seq.num_prompt + seq.sent_tokens:]
         seq.sent_tokens += len(ids)
-        text = seq.detok.delta(final=seq.finished)
+        text = seq.detok.delta(final=seq.finished) if self.detokenize or seq.params.stop else None
         out = RequestOutput(seq.seq_id, ids, text, seq.finished, seq.finish_reason, seq.num_prompt)
         if seq.params.logprobs is not None:
             out.logprobs = seq.logprobs[seq.sent_tokens - len(ids):seq.sent_tokens]

@@ -9,7 +9,9 @@ ZeroMQ over Unix sockets, msgpack-encoded, as vLLM's API server and engine core 
 - replica -> core: `add`, `abort`, `stats`, `inflight`, `pause`, `stop`; applied between steps,
   in order;
 - core -> replica: one `step` message per engine step carrying every row's new tokens, the
-  step's observations and KV prefix changes; `refused`, `stats` (an answer), `dead`.
+  step's observations and KV prefix changes; `refused`, `stats` (an answer), `dead`. The text
+  of a row without stop strings is not decoded here: the replica's reader thread decodes it
+  (CoreClient), in its own process, while this loop runs the next step.
 
 The core runs steps back to back on one thread and never waits for the replica. Ray owns the
 actor through the replica: when the replica goes, the core goes; when the core dies, the
@@ -94,6 +96,7 @@ class CoreLoop:
 
     def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, on_idle=None):
         self.engine, self.inbox, self.outbox, self.on_idle = engine, inbox, outbox, on_idle
+        engine.detokenize = False  # the client's process decodes (CoreClient): off this loop's critical path
         self.live: set[str] = set()  # requests the replica still waits on
         self.obs: list[list] = []
         self.kv: tuple[list[int], list[int]] = ([], [])

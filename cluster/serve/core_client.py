@@ -23,6 +23,7 @@ import zmq
 from cluster.engine.distributed.parallel import RankFailure
 from cluster.engine.sampling import InvalidRequest
 from cluster.engine.scheduling.scheduler import QueueFull
+from cluster.engine.stopping import Detokenizer
 from cluster.serve.core import decode_observation, decode_output, encode_add, limits_of, pack, unpack
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,14 @@ class CoreGone(RuntimeError):
 
 class CoreClient:
     """`info`: the core's engine_info. `on_step(running, waiting, hit_rate, observations,
-    stored, evicted)`: called on the reader thread for every step message."""
+    stored, evicted)`: called on the reader thread for every step message. `tokenizer`: the
+    target's, for the text the core leaves undecoded (Engine.detokenize): the reader thread
+    decodes it, in this process, while the core runs its next step."""
 
-    def __init__(self, inbox_addr: str, outbox_addr: str, info: dict, on_step: Callable | None = None):
+    def __init__(self, inbox_addr: str, outbox_addr: str, info: dict, on_step: Callable | None = None,
+                 tokenizer=None):
         self.info, self.limits, self.on_step = info, limits_of(info), on_step
+        self.tokenizer, self.detoks = tokenizer, {}  # request id -> its Detokenizer (text left to this side)
         self.ctx = zmq.Context()
         self.tx, self.rx = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
         for s in (self.tx, self.rx):
@@ -82,6 +87,7 @@ class CoreClient:
         return sid, q
 
     def abort(self, sid: str) -> None:
+        self.detoks.pop(sid, None)
         if self.queues.pop(sid, None) is not None and self.alive:
             self._send(["abort", sid])
 
@@ -150,9 +156,28 @@ class CoreClient:
             self.gone(RankFailure(msg[1]) if msg[2] else CoreGone(msg[1]))
 
     def _deliver(self, outs) -> None:
+        for o in outs:
+            if o.text is None:
+                o.text = self._text(o)
         self._route([(o.seq_id, o, o.finished) for o in outs])
 
+    def _text(self, o) -> str:
+        """The text delta of output `o` whose core left it undecoded."""
+        d = self.detoks.get(o.seq_id)
+        if d is None:
+            if o.seq_id not in self.queues:  # aborted: nobody reads it
+                return ""
+            d = self.detoks[o.seq_id] = Detokenizer(self.tokenizer, [])
+        for t in o.token_ids:
+            d.add(t)
+        text = d.delta(final=o.finished)
+        if o.finished or o.seq_id not in self.queues:
+            self.detoks.pop(o.seq_id, None)
+        return text
+
     def _fail(self, sids, error: BaseException) -> None:
+        for sid in sids:
+            self.detoks.pop(sid, None)
         self._route([(sid, error, True) for sid in sids])
 
     def _route(self, items) -> None:

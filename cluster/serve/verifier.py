@@ -60,7 +60,11 @@ class Verifier:
         inbox, outbox = socket_pair()
         self.core, self.info = start_core(config, drafter, self.replica_id, inbox, outbox)
         self.done = self.core.run.remote()
-        self.client = CoreClient(inbox, outbox, self.info, on_step=self._on_step)
+        from cluster.config import resolve_model_path
+        from cluster.engine.worker.loader import load_tokenizer
+
+        self.client = CoreClient(inbox, outbox, self.info, on_step=self._on_step,
+                                 tokenizer=load_tokenizer(resolve_model_path(cfg.models.target)))
         threading.Thread(target=self._watch, name="core-watch", daemon=True).start()
         self.stream_s = cfg.router.stream_interval_ms / 1e3
         self.stream_rate = cfg.router.stream_messages_per_s

@@ -3,7 +3,8 @@ around a real engine (tiny random model on CPU), over real ZeroMQ sockets; the c
 runs on a thread here as it runs on its actor's. Only the runner's forward, the hardware
 call, is replaced where a test needs a step to fail or to hold.
 
-- Outputs cross unchanged: tokens equal the engine's own, logprobs and final stats arrive.
+- Outputs cross unchanged: tokens equal the engine's own, logprobs and final stats arrive, and
+  the text the core leaves to the client (Engine.detokenize) is the engine's own text.
 - A failed step: a lost tensor-parallel rank ends the core (`dead`), so the replica's health
   check fails and Serve replaces it; any other error fails only the requests in flight and
   the core serves the next ones.
@@ -60,7 +61,8 @@ class Core:
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
-        self.client = CoreClient(f"{base}-in", f"{base}-out", engine_info(engine), on_step=on_step)
+        self.client = CoreClient(f"{base}-in", f"{base}-out", engine_info(engine), on_step=on_step,
+                                 tokenizer=engine.tokenizer)
 
     def _run(self):
         try:
@@ -113,6 +115,31 @@ def test_outputs_cross_unchanged(engine, random_models):
         stats = core.client.request_stats().result(timeout=30)  # answered after those outputs
         assert stats["finished"] == 2 and stats["running"] == 0
         assert core.client.messages == stats["steps"] == len(steps)  # one message a step, whatever its rows
+    finally:
+        core.close()
+
+
+def test_text_is_the_engines_with_and_without_stop_strings(engine, random_models):
+    """A row with stop strings is decoded in the core (it needs its text to stop), the others
+    by the client: both streams' text is what the engine gives in process."""
+    model = load_model(random_models["llama"], torch.float32, "cpu")
+    local = Engine(model, CharTokenizer(), EngineConfig(max_num_seqs=2, max_waiting=1, max_model_len=256))
+    free = SamplingParams(max_tokens=16, ignore_eos=True)
+    text = local.generate(["stop here"], free, SpecParams("off"))[0]["text"]
+    stop = SamplingParams(max_tokens=16, ignore_eos=True, stop=[text[6:8]])
+    want = local.generate(["stop here", "go on"], [stop, free], SpecParams("off"))
+    assert want[0]["finish_reason"] == "stop" and len(want[0]["text"]) < len(text)
+    core = Core(engine)
+
+    async def run():
+        qs = [submit(core.client, t, p)[1] for t, p in (("stop here", stop), ("go on", free))]
+        return [await _all(q) for q in qs]
+
+    try:
+        got = asyncio.run(run())
+        assert ["".join(o.text for o in outs) for outs in got] == [w["text"] for w in want]
+        assert [outs[-1].finish_reason for outs in got] == ["stop", "length"]
+        assert not core.client.detoks  # nothing kept once the requests ended
     finally:
         core.close()
 
