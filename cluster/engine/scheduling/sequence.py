@@ -139,7 +139,7 @@ class RequestOutput:
     """What one engine step produced for one request (a streaming delta)."""
     seq_id: str
     token_ids: list[int]
-    text: str
+    text: str | None  # None: left undecoded (Engine.detokenize off); its consumer decodes it
     finished: bool
     finish_reason: str | None = None
     num_prompt: int = 0
