@@ -24,6 +24,11 @@ def _listening(port: int) -> dict[str, str]:
     return out
 
 
+def listening(port: int) -> set[str]:
+    """Local addresses with a socket listening on `port`, whatever process holds it."""
+    return set(_listening(port).values())
+
+
 def _owners(inodes: set[str]) -> dict[int, set[str]]:
     """pid -> which of these socket inodes it holds open."""
     out: dict[int, set[str]] = {}
