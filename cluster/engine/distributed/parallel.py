@@ -1,8 +1,8 @@
 """The tensor-parallel process group of one verifier: who a rank is, and its collectives.
 
 Two groups over the same ranks. `device` carries activations (NCCL on CUDA, gloo on CPU;
-small all-reduces on CUDA through `OneShot`, below) with a step-sized timeout: a rank that dies or stalls mid-step surfaces as an error on the
-others, never as a hang. `host` (always gloo) carries rank 0's per-step headers: followers
+small all-reduces on CUDA through `OneShot`, below) with a step-sized timeout: a rank that
+dies or stalls mid-step surfaces as an error on the others, never as a hang. `host` (always gloo) carries rank 0's per-step headers: followers
 wait on it between steps for as long as the engine idles, so its timeout is long; a dead
 rank 0 still ends their wait at once (its sockets close).
 """
