@@ -24,9 +24,20 @@ def _listening(port: int) -> dict[str, str]:
     return out
 
 
+# 127.0.0.1, as IPv4 and as IPv4-mapped IPv6 (gRPC's dual-stack socket), and ::1 (hex, as
+# /proc/net/tcp{,6} give them)
+LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
+
+ANY = {"00000000", "00000000000000000000000000000000", "0000000000000000FFFF000000000000"}  # 0.0.0.0, [::]
+
+
 def listening(port: int) -> set[str]:
-    """Local addresses with a socket listening on `port`, whatever process holds it."""
-    return set(_listening(port).values())
+    """Local addresses the process serving `port` listens on there: that of each process
+    listening on it at loopback or at any address. Another process may hold the same port
+    number at another address (a Ray worker's server on the node's IP); it is not counted."""
+    socks = _listening(port)
+    serving = [held for held in _owners(set(socks)).values() if any(socks[i] in LOOPBACK | ANY for i in held)]
+    return {socks[i] for held in serving for i in held}
 
 
 def _owners(inodes: set[str]) -> dict[int, set[str]]:
@@ -60,10 +71,6 @@ def test_default_http_proxy_listens_on_loopback_only(serve_ports):
     _, addrs = proxy_listening(serve_ports)
     assert addrs == {"0100007F"}, addrs  # 127.0.0.1, little-endian hex; no 0.0.0.0 (00000000) or [::]
 
-
-# 127.0.0.1, as IPv4 and as IPv4-mapped IPv6 (gRPC's dual-stack socket), and ::1 (hex, as
-# /proc/net/tcp{,6} give them)
-LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux's /proc/net/tcp")
