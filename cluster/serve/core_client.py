@@ -28,6 +28,7 @@ from cluster.serve.core import decode_observation, decode_output, encode_add, li
 
 log = logging.getLogger(__name__)
 POLL_MS = 100  # the reader checks for stop this often
+STOP_LINGER_MS = 2000
 
 
 class CoreGone(RuntimeError):
@@ -117,7 +118,9 @@ class CoreClient:
             self._send(["stop"])
         self._stop = True
         self.thread.join(timeout=5)
-        self.ctx.destroy(linger=0)
+        # linger: a `stop` still queued here is delivered, not dropped (a core that never got it
+        # would step on); a dead core costs at most this wait
+        self.ctx.destroy(linger=STOP_LINGER_MS)
 
     # ---- from the core -------------------------------------------------------------------
     def _read(self) -> None:

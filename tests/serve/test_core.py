@@ -72,7 +72,10 @@ class Core:
 
     def close(self):
         self.client.stop()
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=30)
+        if self.thread.is_alive():  # never destroy the sockets under a loop still sending on them
+            self.loop.stopped = True
+            self.thread.join(timeout=30)
         self.ctx.destroy(linger=0)
 
 
