@@ -81,8 +81,8 @@ class Engine:
         if cfg.kv_cache_dtype == "fp8":  # through the runner: a tensor-parallel one calibrates every rank
             self.runner.calibrate(fp8.calibration_tokens(tokenizer))
         self.backend = model.backend.name
-        # not under TP: it replays past forward, where followers would not follow
-        self.pipeline = DecodePipeline(self.runner.graphs) if self.runner.graphs and model.group is None else None
+        ahead = self.runner.graphs if model.group is None else None  # launch-ahead replays past forward: not under TP
+        self.pipeline = DecodePipeline(ahead) if ahead is not None else None
         self.scheduler = Scheduler(cfg, self.kv, mixed=cfg.mixed_prefill and self.runner.can_mix)
         self.drafters = drafters or {}
         self.default_drafter = default_drafter

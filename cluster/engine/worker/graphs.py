@@ -171,15 +171,10 @@ class GraphRunner:
         g.graph.replay()
         return (None if g.out is None else g.out[:b]), g.hidden[:b], (None if g.aux is None else g.aux[:b])
 
-    @torch.inference_mode()
     def decode(self, rows: list[int], cache_lens: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """A one-token step whose tokens ([B] int64) are already on the device: [B, V] logits
         (a static buffer), with no host round trip (a drafter's chain)."""
-        b = len(rows)
-        g = self._prepare(rows, cache_lens, [()] * b, 1, None)
-        g.ids[:b, 0].copy_(tokens)
-        g.graph.replay()
-        return g.out[:b, 0]
+        return self.launch(rows, cache_lens, [()] * len(rows), tokens)[:, 0]
 
     def _prepare(self, rows, cache_lens, tokens, width: int, num_layers: int | None) -> _Graph:
         """The graph for this step, its inputs copied in (rows' tokens, table rows, lengths)."""
