@@ -179,7 +179,8 @@ def main() -> int:
                        prefill_chunk=512, gamma=4, gamma_max=8, device="cuda", dtype="bfloat16", compile=True,
                        gpu_memory_utilization=float(os.environ.get("GPU_MEMORY_UTILIZATION", "0.9")),
                        kv_cache_dtype=os.environ.get("KV_CACHE_DTYPE", "auto"),
-                       mixed_prefill=os.environ.get("MIXED_PREFILL") == "1")
+                       mixed_prefill=os.environ.get("MIXED_PREFILL") == "1",
+                       compile_cache_dir=os.environ.get("COMPILE_CACHE", "/tmp/spec-cluster-compile"))
     R["kv_cache_dtype"], R["mixed_prefill"] = cfg.kv_cache_dtype, cfg.mixed_prefill
     drafter = ModelDrafter(draft, 2 * cfg.max_num_seqs, 2048)  # longer rows decode without drafts
     tok = AutoTokenizer.from_pretrained(DEMO / "target")

@@ -247,6 +247,8 @@ def parse(argv=None):
                    help="no CUDA graphs (GRAPHS=0): the eager passes, for a same-machine baseline")
     p.add_argument("--one-shot-kb", type=int, default=int(env("ONE_SHOT_KB", "512")),
                    help="engine.tp_one_shot_kb (ONE_SHOT_KB): all-reduces up to this size one-shot; 0: NCCL only")
+    p.add_argument("--no-compile", dest="compile", action="store_false", default=env("COMPILE", "1") != "0",
+                   help="engine.compile off (COMPILE=0): no fused Triton GEMV or compiled kernels on any rank")
     p.add_argument("--levels", default=env("LEVELS", "1,8,32,128"))
     p.add_argument("--gammas", default=env("GAMMAS", "2,3,4,6"))
     p.add_argument("--kv-gb", type=float, default=float(env("KV_GB", "0")),
@@ -266,7 +268,7 @@ def parse(argv=None):
         a.tp, a.levels, a.gammas, a.overrides = 2, [1, 2], [2, 4], dict(SMOKE)
         a.new, a.warm, a.iters, a.ctx, a.prompt_len, a.out_range = 8, 2, 2, 32, 24, (4, 8)
     a.name = a.name or f"gpu_tp{a.tp}" + ("_cpu_smoke" if a.cpu_smoke else f"_l{a.layers}" if a.layers else "") + \
-        ("_eager" if a.eager else "") + ("_nccl" if not a.one_shot_kb else "")
+        ("_eager" if a.eager else "") + ("_nccl" if not a.one_shot_kb else "") + ("" if a.compile else "_nocompile")
     return a
 
 
@@ -290,14 +292,14 @@ def main(argv=None) -> int:
                    "max_num_seqs": max(64, max(a.levels)) if cuda else 8,
                    "max_model_len": 2048 if cuda else 512,
                    "max_waiting": 1024, "max_batch_tokens": 2048, "prefill_chunk": 512, "kv_cache_gb": kv_gb,
-                   "compile": False, "prefix_caching": True},
+                   "compile": a.compile and cuda, "prefix_caching": True},
         "speculation": {"mode": "goodput", "gamma": 4, "gamma_max": 8}})
     label = ("CPU smoke (orchestration check, NOT a speed figure): " if a.cpu_smoke else "") + \
         f"{a.target} TP {a.tp}" + (f", overrides {a.overrides}" if a.overrides else "")
     R: dict = {"label": label, "device": torch.cuda.get_device_name() if cuda else "cpu", "tp": a.tp,
                "gpus": torch.cuda.device_count() if cuda else 0, "torch": torch.__version__,
                "command": " ".join(["python3", "scripts/gpu_tp.py", *(argv or sys.argv[1:])]),
-               "env": {k: os.environ[k] for k in ("TP", "PARTS", "LEVELS", "LAYERS", "GAMMAS", "KV_GB", "GRAPHS", "ONE_SHOT_KB")
+               "env": {k: os.environ[k] for k in ("TP", "PARTS", "LEVELS", "LAYERS", "GAMMAS", "KV_GB", "GRAPHS", "ONE_SHOT_KB", "COMPILE")
                        if k in os.environ},
                "engine": cfg.engine.model_dump(), "target_overrides": a.overrides}
     from cluster.serve.build import build_engine

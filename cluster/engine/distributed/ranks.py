@@ -39,6 +39,7 @@ from cluster.engine.distributed.parallel import Group, RankFailure, free_port, i
 from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.engine.worker import fp8
 from cluster.engine.worker.capture import eager_on_cpu
+from cluster.engine.worker.model import compile_kernels
 from cluster.engine.worker.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -241,6 +242,8 @@ def follow(rank: int, size: int, port: int, target: str, cfg, step_timeout_s: fl
     group = init_group(rank, size, addr, port, cfg.device, step_timeout_s, cfg.tp_one_shot_kb,
                        getattr(torch, cfg.dtype))
     try:
+        if cfg.compile and group.device.type == "cuda":  # the kernels rank 0's passes run (fused GEMV, compiled pieces)
+            compile_kernels(cfg.compile_cache_dir)
         model = load_model(target, getattr(torch, cfg.dtype), group.device, group)  # float32, bfloat16, ...
         s = model.shape
         setup = group.broadcast_header(torch.zeros(SETUP, dtype=torch.int64)).tolist()
