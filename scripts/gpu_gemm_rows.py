@@ -122,7 +122,10 @@ def step_times(engine, max_rows: int) -> dict:
     """ms of a batch-1 verify of 1..9 tokens and decode steps of 2..16 rows (graph replays)."""
     gemv.MAX_ROWS = max_rows
     engine.runner.graphs.graphs.clear()  # captured graphs hold the kernels they were captured with
-    run, slots = engine.runner, [engine.kv.allocate() for _ in range(16)]
+    run, handles = engine.runner, [engine.kv.open() for _ in range(16)]
+    for h in handles:
+        engine.kv.grow(h, 512 + 9)  # the context and the widest verify
+    slots = [h.row for h in handles]
     for s in slots:
         run.forward([s], [0], [list(range(5, 517))], last_only=True)  # 512 tokens of context
     t = {f"verify{w}": 1e3 * cuda_time(lambda w=w: run.forward(slots[:1], [512], [[5] * w], last_only=False))
@@ -130,8 +133,8 @@ def step_times(engine, max_rows: int) -> dict:
     t.update({f"decode_b{b}": 1e3 * cuda_time(lambda b=b: run.forward(slots[:b], [512] * b, [[5]] * b, last_only=False))
               for b in (2, 4, 8, 16)})
     logits = run.forward(slots[:1], [512], [[5, 6, 7, 8, 9]], last_only=False)[0, :5]
-    for s in slots:
-        engine.kv.free(s)
+    for h in handles:
+        engine.kv.close(h)
     return t, logits.clone()
 
 

@@ -6,6 +6,8 @@
    alone (cuBLAS and Triton) against the copy bandwidth;
 2. the kernels of one eager decode step (torch.profiler), grouped by name;
 3. the CUDA-graph decode step as the engine runs it.
+2 and 3 for each batch size in ROWS (default 1; ROWS=1,64,256 for the engine under load), each
+row at 512 tokens of context.
 """
 
 from __future__ import annotations
@@ -83,16 +85,25 @@ def gemv_table(bw: float) -> dict:
     return out
 
 
-def kernel_breakdown(engine) -> dict:
+def kernel_breakdown(engine, n: int = 1, ctx: int = 512) -> dict:
+    """One decode step of `n` rows at `ctx` tokens of context each: its kernels, eager (the
+    profiler sees each one), grouped by name; then the same step as the CUDA-graph replay the
+    engine runs."""
     run = engine.runner
-    slot = engine.kv.allocate()
-    run.forward([slot], [0], [list(range(1, 513))], last_only=True)
-    graphs, run.graphs = run.graphs, None  # eager: the profiler sees each kernel
+    handles = [engine.kv.open() for _ in range(n)]
+    for h in handles:
+        engine.kv.grow(h, ctx + 1)
+    slots = [h.row for h in handles]
+    for i in range(0, n, 8):  # prefill 8 rows a pass: 4,096 tokens, the engine's max_batch_tokens
+        part = slots[i:i + 8]
+        run.forward(part, [0] * len(part), [list(range(1, ctx + 1))] * len(part), last_only=True)
+    step = lambda: run.forward(slots, [ctx] * n, [[5]] * n, last_only=False)  # noqa: E731
+    graphs, run.graphs = run.graphs, None
     for _ in range(3):
-        run.forward([slot], [512], [[5]], last_only=False)
+        step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        run.forward([slot], [512], [[5]], last_only=False)
+        step()
         torch.cuda.synchronize()
     run.graphs = graphs
     groups = defaultdict(lambda: [0, 0.0])
@@ -103,12 +114,14 @@ def kernel_breakdown(engine) -> dict:
             g[1] += e.device_time
     rows = sorted(({"kernel": k, "count": c, "us": t} for k, (c, t) in groups.items()), key=lambda r: -r["us"])
     total = sum(r["us"] for r in rows)
+    print(f"decode step of {n} rows at {ctx} tokens:", flush=True)
     for r in rows[:25]:
         print(f"{r['us']:9.1f} us {r['count']:5d}x  {r['kernel']}", flush=True)
-    t_graph = cuda_time(lambda: run.forward([slot], [512], [[5]], last_only=False), 50)
-    engine.kv.free(slot)
-    return {"kernels_us_total": total, "kernel_count": sum(r["count"] for r in rows), "top": rows[:40],
-            "graph_step_ms": 1e3 * t_graph}
+    t_graph = cuda_time(step, 50)
+    for h in handles:
+        engine.kv.close(h)
+    return {"rows": n, "context": ctx, "kernels_us_total": total, "kernel_count": sum(r["count"] for r in rows),
+            "top": rows[:40], "graph_step_ms": 1e3 * t_graph}
 
 
 def main():
@@ -117,13 +130,15 @@ def main():
     R["gemv_max_rel_err"] = gemv_correct()
     R["gemv"] = gemv_table(bw)
     model = random_llama()
-    cfg = EngineConfig(max_num_seqs=8, max_model_len=1024, max_batch_tokens=4096, prefill_chunk=512,
+    sizes = [int(x) for x in os.environ.get("ROWS", "1").split(",")]  # e.g. ROWS=1,64,256
+    cfg = EngineConfig(max_num_seqs=max(8, *sizes), max_model_len=1024, max_batch_tokens=4096, prefill_chunk=512,
                        gamma=4, gamma_max=8, device="cuda", dtype="bfloat16",
                        compile=os.environ.get("COMPILE", "1") == "1")
     engine = Engine(model, NullTokenizer(), cfg, identity="llama8b-random")
-    R["breakdown"] = kernel_breakdown(engine)
-    print("graph step ms", R["breakdown"]["graph_step_ms"], "kernels", R["breakdown"]["kernel_count"],
-          "kernel us", R["breakdown"]["kernels_us_total"], flush=True)
+    for n in sizes:  # batch 1 keeps its old key; other sizes get their own
+        b = R["breakdown" if n == 1 else f"breakdown_{n}"] = kernel_breakdown(engine, n)
+        print(n, "rows: graph step ms", b["graph_step_ms"], "kernels", b["kernel_count"], "kernel us",
+              b["kernels_us_total"], flush=True)
     with open(os.path.join(OUT, "gpu_profile.json"), "w") as f:
         json.dump(R, f, indent=2)
 

@@ -9,8 +9,9 @@ PARTS (comma-separated, default all):
   output tokens, c requests in flight over 2c requests (at least 16), plain / fixed gamma 4 / goodput, c in
   LEVELS (default 1,16,64,128,256). Beside each point the workload's roofline: prefill FLOPs
   at the measured bf16 matmul rate, plus decode steps that read the weights and every live
-  sequence's KV at the measured copy bandwidth. Host work per step (step wall time minus the
-  GPU time of its CUDA-graph replays) for each mode.
+  sequence's KV at the measured copy bandwidth. Host ms per step (step wall time minus the
+  GPU time of its CUDA-graph replays, so eager prefill passes count in it) and GPU ms per graph
+  replay, for each mode.
 - capacity: 256 concurrent 2k-token sequences (1920-token prompts, 128 new tokens), and one
   request of a 32,000-token prompt.
 - MIXED_PREFILL=1 runs everything with engine.mixed_prefill (prefill chunks in the verify
@@ -69,7 +70,10 @@ def measured(engine, fn) -> tuple[dict, dict]:
     # the launch-ahead pipeline: steps that used a launch, ran afresh, rows that waited a step or were dropped
     ahead = {k: v - ahead0[k] for k, v in counters().items()}
     return out, {"steps": steps, "prefill_steps": engine.totals["prefill_steps"] - prefill0, "launch_ahead": ahead,
-                 "graph_gpu_s": gpu, "wall_s": wall, "host_ms_per_step": 1e3 * (wall - gpu) / max(steps, 1)}
+                 "graph_gpu_s": gpu, "wall_s": wall, "host_ms_per_step": 1e3 * (wall - gpu) / max(steps, 1),
+                 # the graph replays alone (decode and verify passes): GPU ms each, to hold against
+                 # the bytes a step reads; prefill passes run eagerly and are not among them
+                 "replays": len(REPLAYS), "gpu_ms_per_replay": 1e3 * gpu / max(len(REPLAYS), 1)}
 
 
 def sweep(engine, R: dict) -> None:

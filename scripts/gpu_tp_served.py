@@ -3,11 +3,14 @@ through the real endpoints: one gRPC and one OpenAI request answered, then token
 at 1 and 32 streams (128 tokens each, the config's goodput controller).
 
     TP=4 BUNDLE=.device-bundle-serve bash scripts/gpu_py.sh gpu_tp_served.py   # nvidia-h100-x4
+    TP=4 PLACEMENT=disaggregated LEVELS=1,16 BUNDLE=.device-bundle-serve \
+        bash scripts/gpu_py.sh gpu_tp_served.py                               # an 8-GPU kind (issue 41)
     python3 scripts/gpu_tp_served.py --cpu-smoke --out /tmp/tps                 # here: orchestration only
 
 On the GPU the target is demo-70b-target (the demo target in Llama-3.1-70B dimensions) over TP
 ranks and demo-8b-draft drafts on rank 0's GPU (at TP 4 on a 4-GPU host no GPU is left for a
-drafter of its own); no Redis (kvdir off), no accelerator_type. `--cpu-smoke`: the demo pair,
+drafter of its own); `PLACEMENT=disaggregated` puts it in a drafter replica on a GPU of its own
+(TP 4 + 1 GPU: issue 41's 8-GPU host). No Redis (kvdir off), no accelerator_type. `--cpu-smoke`: the demo pair,
 float32, TP 2 over gloo, 1 and 2 streams of 8 tokens: it checks the script, not a speed.
 Writes gpu_tp_served.json (or gpu_tp_served_cpu_smoke.json) under --out.
 """
@@ -41,9 +44,12 @@ def config(a) -> dict:
                          attention="auto" if gpu else "sdpa")
     cfg["engine"].update(tensor_parallel_size=a.tp, kv_cache_gb={2: 4, 4: 16}.get(a.tp, 32) if gpu else 0.25,
                          max_num_seqs=64 if gpu else 8, max_model_len=4096 if gpu else 512, max_waiting=256)
-    cfg["placement"] = "colocated"
+    cfg["placement"] = a.placement
     cfg["verifier"]["ray_actor_options"] = {"num_gpus": 1, "num_cpus": 4} if gpu else {"num_cpus": 1}
-    cfg["drafter"]["ray_actor_options"] = {"num_cpus": 1}
+    # disaggregated: the draft model in a drafter replica on a GPU of its own (issue 41's served
+    # part: TP 4 on GPUs 0-3 and the drafter on a fifth)
+    own_gpu = gpu and a.placement == "disaggregated"
+    cfg["drafter"]["ray_actor_options"] = {"num_gpus": 1, "num_cpus": 2} if own_gpu else {"num_cpus": 1}
     cfg["kvdir"]["url"] = None
     cfg["router"]["failover_wait_s"] = 30.0
     return cfg
@@ -68,13 +74,16 @@ def main() -> int:
     p.add_argument("--levels", default=os.environ.get("LEVELS", "1,32"))
     p.add_argument("--new", type=int, default=int(os.environ.get("NEW_TOKENS", "128")))
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--placement", choices=("colocated", "disaggregated"), default=os.environ.get("PLACEMENT", "colocated"),
+                   help="colocated: the draft model on rank 0's GPU; disaggregated: a drafter replica of its own")
     p.add_argument("--cpu-smoke", action="store_true")
     a = p.parse_args()
     if a.cpu_smoke:
         a.tp, a.levels, a.new = 2, "1,2", 8
     levels = [int(x) for x in a.levels.split(",")]
-    name = "gpu_tp_served" + ("_cpu_smoke" if a.cpu_smoke else "")
+    name = "gpu_tp_served" + ("_drafter_replica" if a.placement == "disaggregated" else "") + ("_cpu_smoke" if a.cpu_smoke else "")
     R: dict = {"label": ("CPU smoke (orchestration, NOT a speed): " if a.cpu_smoke else "") + f"served TP {a.tp}",
+               "placement": a.placement,
                "command": " ".join(["python3", "scripts/gpu_tp_served.py", *sys.argv[1:]]), "config": config(a)}
     out = Path(a.out, name + ".json")
 

@@ -166,17 +166,22 @@ class ParallelRunner(Runner):
         return self.forward(rows, cache_lens, [[t] for t in tokens.tolist()], last_only=True)
 
     def close(self) -> None:
-        """Stop the followers (where they still listen) and leave the group."""
+        """Stop the followers (where they still listen) and leave the group with them: rank 0
+        leaves as the followers do, then waits for them to exit. Waiting first hung on GPUs:
+        with CUDA graphs no TP 4 run got past close (benchmarks/gpu/tp), eager ones did; a
+        communicator that graphs captured may be torn down only by all ranks together."""
         try:
             if all(p.is_alive() for p in self.group.procs):
                 self.group.broadcast_header(torch.tensor([STOP] + [0] * (META - 1)))
         except (RuntimeError, dist.DistError):
             pass
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.group.close()
         for p in self.group.procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
-        self.group.close()
 
     @contextmanager
     def _failures(self):
