@@ -16,6 +16,7 @@ from cluster.config import ClusterConfig, resolve_model_path
 from cluster.engine.distributed.ranks import start_ranks
 from cluster.engine.drafters.base import Drafter
 from cluster.engine.drafters.eagle3 import Eagle3Drafter
+from cluster.engine.drafters.eagle3_embed import embedded_aux_layers, is_embedded, load_embedded_head
 from cluster.engine.drafters.eagle3_load import CONFIG as EAGLE3_CONFIG
 from cluster.engine.drafters.eagle3_load import head_config, load_head, target_embedding
 from cluster.engine.drafters.early_exit import EarlyExitDrafter
@@ -73,7 +74,10 @@ def build_eagle3_drafter(cfg: ClusterConfig, target: CausalLM | None = None) -> 
         layers, vocab, embed = tc.num_hidden_layers, tc.vocab_size, target_embedding(target_dir, dtype)
     # positions: the draft model's cap (DRAFT_MAX_LEN) plus a verify row's drafts
     max_len = min(ec.max_model_len, DRAFT_MAX_LEN) + ec.gamma_max + 1
-    head = load_head(path, layers, dtype, ec.device, embed.to(ec.device), vocab, max_positions=max_len + 1)
+    if is_embedded(path):  # a trained small head in a larger head's shape (cluster.engine.drafters.eagle3_embed)
+        head = load_embedded_head(path, embed.to(ec.device), layers, max_positions=max_len + 1)
+    else:
+        head = load_head(path, layers, dtype, ec.device, embed.to(ec.device), vocab, max_positions=max_len + 1)
     cuda = next(head.parameters()).is_cuda
     if cuda and ec.compile:
         compile_kernels(ec.compile_cache_dir)
@@ -83,7 +87,8 @@ def build_eagle3_drafter(cfg: ClusterConfig, target: CausalLM | None = None) -> 
 
 def eagle3_aux_layers(cfg: ClusterConfig, target_layers: int) -> tuple[int, ...]:
     """Which target layers a remote EAGLE-3 head reads (its config only, no weights)."""
-    return head_config(eagle3_dir(cfg), target_layers)[0].aux_layers
+    path = eagle3_dir(cfg)
+    return embedded_aux_layers(path, target_layers) if is_embedded(path) else head_config(path, target_layers)[0].aux_layers
 
 
 def draft_slots(ec) -> int:
