@@ -9,7 +9,8 @@ argmax, up to `tol` logits, of an eager pass of the same engine over prompt + ou
 forcing). That holds wherever bf16 rounding makes two paths part ways at a near-tie, and a
 stale block table or a wrong graph input fails it by whole logits.
 
-PARTS (comma-separated, default all): start, 8b, demo, tree, mixed, fp8, preempt, serve, tp.
+PARTS (comma-separated, default all): start, 8b, e3, demo, tree, mixed, fp8, preempt, serve, tp.
+e3: the demo head embedded at an 8B head's shape (demo-8b-eagle3) over demo-8b-target.
 `start` alone (a second process) measures the warm start of the 8B engine. DEVICE=cpu runs
 the small-model parts on a CPU (fp32, SDPA), to try the script itself.
 """
@@ -31,7 +32,7 @@ from cluster.engine.scheduling.sequence import SpecParams
 from cluster.serve.build import build_engine
 from cluster.bench.harness import OUT, log
 
-PARTS = os.environ.get("PARTS", "start,8b,demo,tree,mixed,fp8,preempt,serve,tp").split(",")
+PARTS = os.environ.get("PARTS", "start,8b,e3,demo,tree,mixed,fp8,preempt,serve,tp").split(",")
 RESULTS: dict[str, dict] = {}
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\ndef main(argv):\n", "class Stack:\n    def __init__(self",
            "for i in range(10):\n    print(", "    def __repr__(self):\n        return"]
@@ -191,6 +192,25 @@ def part_8b() -> None:
     free(e)
 
 
+def part_e3() -> None:
+    if not GPU:  # the 8B shape is 32 GB in fp32
+        RESULTS["eagle3_8b_chain"] = {"status": "SKIP", "why": "not a GPU"}
+        print("SKIP eagle3_8b_chain: not a GPU", flush=True)
+        return
+    e = engine_for({"target": "demo-8b-target", "draft": None, "eagle3": "demo-8b-eagle3", "drafter": "eagle3"},
+                   {"max_num_seqs": 16, "max_model_len": 2048, "gpu_memory_utilization": 0.5})
+
+    def chain():
+        d = greedy_run(e, PROMPTS, SpecParams("fixed", 4), "eagle3")
+        graphs = e.drafters["eagle3"].graphs
+        need(graphs is not None or not GPU, "the head has no CUDA graphs")
+        need(e.drafters["eagle3"].head.cfg.hidden == e.runner.model.shape.hidden, "the head is not at the 8B shape")
+        return {**d, "head_graph_buckets": sorted(graphs.steps) if graphs else []}
+
+    check("eagle3_8b_chain", chain)
+    free(e)
+
+
 def part_demo() -> None:
     e = engine_for({"target": "demo-target", "draft": "demo-draft"}, {"max_num_seqs": 32, "kv_cache_gb": 2})
     check("medusa", lambda: greedy_run(e, PROMPTS, SpecParams("fixed", 3), "medusa"))
@@ -275,7 +295,7 @@ def main() -> int:
         e = engine_8b()
         RESULTS["start_8b_warm"] = {"status": "PASS", "s": round(time.time() - t, 1), "phases": e.startup}
         log("8B engine up (warm):", json.dumps(e.startup))
-    steps = {"8b": part_8b, "demo": part_demo, "tree": part_tree, "serve": part_serve, "tp": part_tp,
+    steps = {"8b": part_8b, "e3": part_e3, "demo": part_demo, "tree": part_tree, "serve": part_serve, "tp": part_tp,
              "mixed": lambda: part_engine("mixed_prefill", {"mixed_prefill": True, "kv_cache_gb": 2}, n=12,
                                           expect=lambda s: need(s["mixed_steps"] > 0, "no mixed step ran")),
              "fp8": lambda: part_engine("fp8_kv", {"kv_cache_dtype": "fp8", "kv_cache_gb": 2}, tol=1.0),
