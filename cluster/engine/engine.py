@@ -37,7 +37,6 @@ from cluster.engine.worker import fp8
 from cluster.engine.worker.attention import make_backend
 from cluster.engine.worker.memory import num_kv_blocks
 from cluster.engine.worker.model import CausalLM, compile_kernels
-from cluster.engine.worker.pipeline import DecodePipeline
 from cluster.engine.worker.runner import Runner
 from cluster.engine.worker.tree import keep_path
 
@@ -81,8 +80,7 @@ class Engine:
         if cfg.kv_cache_dtype == "fp8":  # through the runner: a tensor-parallel one calibrates every rank
             self.runner.calibrate(fp8.calibration_tokens(tokenizer))
         self.backend = model.backend.name
-        ahead = self.runner.graphs if model.group is None else None  # launch-ahead replays past forward: not under TP
-        self.pipeline = DecodePipeline(ahead) if ahead is not None else None
+        self.pipeline = self.runner.ahead  # the runner's launch-ahead mode (None under TP or without graphs)
         self.scheduler = Scheduler(cfg, self.kv, mixed=cfg.mixed_prefill and self.runner.can_mix)
         self.drafters = drafters or {}
         self.default_drafter = default_drafter

@@ -123,6 +123,7 @@ class ParallelRunner(Runner):
     def __init__(self, model, kv: KVCache, attention: str, group: Group, graph_width: int = 0,
                  prefill_chunk: int = 0, graph_tokens: int = 0):
         super().__init__(model, kv, attention, graph_width, prefill_chunk, graph_tokens)
+        self.ahead = None  # launch-ahead replays past forward, where the followers would not follow
         self.group = group
         kv.moved = []  # tree paths' KV copies, for the followers (encode)
         width = graph_width if self.graphs is not None else 0  # the followers capture as this rank does

@@ -18,8 +18,9 @@ import torch
 from cluster.engine.drafters.base import TOPK, Drafter, DraftOutput, DraftRequest, draft_generator, empty_rows
 from cluster.engine.sampling import target_probs
 from cluster.engine.scheduling.kv_cache import KVCache, KVHandle
+from cluster.engine.worker.attention import device_ints
 from cluster.engine.worker.model import CausalLM
-from cluster.engine.worker.runner import Runner, device_ints
+from cluster.engine.worker.runner import Runner
 
 log = logging.getLogger(__name__)
 CATCHUP = 16  # rows with at most this many new tokens catch up in one pass

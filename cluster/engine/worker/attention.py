@@ -29,6 +29,13 @@ from cluster.engine.worker import fp8
 log = logging.getLogger(__name__)
 
 
+def device_ints(xs: list[int], device) -> torch.Tensor:
+    """int64 tensor on `device` without waiting for the GPU: a plain torch.tensor(..., device=)
+    copies from pageable memory, which synchronises the stream."""
+    t = torch.tensor(xs, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 @dataclass
 class AttnContext:
     rows: torch.Tensor        # [B] int64 block-table row of each sequence

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.engine.scheduling.sequence import Sequence
-from cluster.engine.worker.runner import device_ints
+from cluster.engine.worker.attention import device_ints
 
 
 def _key(seq: Sequence, ahead: int = 0) -> tuple:

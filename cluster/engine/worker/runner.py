@@ -9,7 +9,7 @@ import torch
 
 from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.engine.worker import fp8
-from cluster.engine.worker.attention import AttnContext, Segment, make_backend
+from cluster.engine.worker.attention import AttnContext, Segment, device_ints, make_backend
 from cluster.engine.worker.capture import for_device as capture_for
 from cluster.engine.worker.model import CausalLM
 from cluster.engine.worker.tree import tree_layout
@@ -27,12 +27,17 @@ class Runner:
         if model.backend is None:
             model.backend = make_backend(attention, p.device, p.dtype)
         self.graphs = None
+        # the launch-ahead mode (cluster.engine.worker.pipeline): greedy plain decode steps replay
+        # a step early on the graphs; the engine picks the steps that may
+        self.ahead = None
         self.warmup: dict | None = None  # what warm_up took, once it ran
         capture = capture_for(self.device, model.backend) if graph_width else None
         if capture is not None:  # decode/verify steps up to graph_width tokens a row
             from cluster.engine.worker.graphs import GraphRunner
+            from cluster.engine.worker.pipeline import DecodePipeline
 
             self.graphs = GraphRunner(model, kv, capture, graph_width, prefill_chunk, max_tokens, dense_to)
+            self.ahead = DecodePipeline(self.graphs)
 
     def calibrate(self, token_ids: list[int]) -> None:
         """An fp8 cache's scales from one pass over `token_ids` (cluster.engine.worker.fp8), before
@@ -186,10 +191,3 @@ class Runner:
     def capture_graphs(self, max_batch: int) -> None:
         """Every CUDA graph a step of up to `max_batch` rows replays (GraphRunner.capture_all)."""
         self.graphs.capture_all(max_batch)
-
-
-def device_ints(xs: list[int], device) -> torch.Tensor:
-    """int64 tensor on `device` without waiting for the GPU: a plain torch.tensor(..., device=)
-    copies from pageable memory, which synchronises the stream."""
-    t = torch.tensor(xs, dtype=torch.int64)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
