@@ -27,7 +27,7 @@ from torch import nn
 from transformers import LlamaConfig
 
 from cluster.engine.drafters.eagle3_head import Eagle3Head, HeadConfig
-from cluster.engine.worker.embedded import FINAL_SCALE, PAD_LOGIT, _maps, _place
+from cluster.engine.worker.embedded import FINAL_SCALE, PAD_LOGIT, index_maps, place, real_layers
 from cluster.engine.worker.model import Rotary
 
 # an 8B EAGLE-3 head's layer (the published Llama-3.1-8B heads: one Llama-3.1-8B decoder layer,
@@ -36,11 +36,6 @@ LLAMA_8B_HEAD = dict(hidden_size=4096, num_attention_heads=32, num_key_value_hea
                      intermediate_size=14336, draft_vocab_size=32000)
 SHAPES = {"llama-3.1-8b-eagle3": LLAMA_8B_HEAD}
 EMBED = "embed.json"
-
-
-def real_layers(small_layers: int, big_layers: int) -> list[int]:
-    """Where embed_llama puts the small target's layers (cluster.engine.worker.embedded._Plan)."""
-    return torch.linspace(0, big_layers - 1, small_layers).round().long().tolist()
 
 
 @torch.no_grad()
@@ -119,7 +114,7 @@ def load_embedded_head(path: str | Path, embed: torch.Tensor, target_layers: int
 def _fill(head: Eagle3Head, small: Eagle3Head, sc: HeadConfig, bc: HeadConfig, device, dtype) -> None:
     s, b = sc.shape(), bc.shape()
     sp = {k: v.float().to(device) for k, v in small.state_dict().items() if k != "embed_tokens.weight"}
-    qkv_rows, attn_cols, q_scale = _maps(s, b, device)
+    qkv_rows, attn_cols, q_scale = index_maps(s, b, device)
     hid = torch.arange(s.hidden, device=device)
     inter = torch.arange(s.intermediate, device=device)
     const, t_const = s.hidden, sc.target_hidden  # CONST in the head's stream, and in the target's
@@ -131,7 +126,7 @@ def _fill(head: Eagle3Head, small: Eagle3Head, sc: HeadConfig, bc: HeadConfig, d
     fc = head.fc.weight
     for k in range(len(bc.aux_layers)):
         fc[:, k * bc.target_hidden + t_const] = 0
-    _place(fc, sp["fc.weight"], hid, fc_cols, None)
+    place(fc, sp["fc.weight"], hid, fc_cols, None)
     fc[const] = 0
     fc[const, t_const] = 1.0
     # qkv over [input_layernorm(embed) | hidden_norm(x)]: both halves' real dims, no CONST
@@ -140,12 +135,12 @@ def _fill(head: Eagle3Head, small: Eagle3Head, sc: HeadConfig, bc: HeadConfig, d
     w = head.qkv_proj.weight
     w[:, const] = 0
     w[:, b.hidden + const] = 0
-    _place(w, qkv, qkv_rows, torch.cat([hid, b.hidden + hid]), None)
+    place(w, qkv, qkv_rows, torch.cat([hid, b.hidden + hid]), None)
     head.o_proj.weight.zero_()  # padded q heads beside a real one read its values
-    _place(head.o_proj.weight, sp["o_proj.weight"], hid, attn_cols, None)
+    place(head.o_proj.weight, sp["o_proj.weight"], hid, attn_cols, None)
     mlp = head.mlp
-    _place(mlp.gate_up_proj.weight, sp["mlp.gate_up_proj.weight"], torch.cat([inter, b.intermediate + inter]), hid, const)
-    _place(mlp.down_proj.weight, sp["mlp.down_proj.weight"], hid, inter, None)
+    place(mlp.gate_up_proj.weight, sp["mlp.gate_up_proj.weight"], torch.cat([inter, b.intermediate + inter]), hid, const)
+    place(mlp.down_proj.weight, sp["mlp.down_proj.weight"], hid, inter, None)
     for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm", "norm"):
         nw = getattr(head, name).weight
         nw[hid] = sp[name + ".weight"].to(dtype) * norm_scale

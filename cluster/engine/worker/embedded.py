@@ -56,7 +56,12 @@ def random_model(cfg: LlamaConfig, device, dtype, seed: int) -> CausalLM:
     return model
 
 
-def _maps(s: ModelShape, b: ModelShape, device):
+def real_layers(small_layers: int, big_layers: int) -> list[int]:
+    """Where the small model's layers go in the large depth (spread evenly, first and last kept)."""
+    return torch.linspace(0, big_layers - 1, small_layers).round().long().tolist()
+
+
+def index_maps(s: ModelShape, b: ModelShape, device):
     if b.head_dim % s.head_dim or b.heads % b.kv_heads or s.kv_heads > b.kv_heads:
         raise ValueError("large head_dim must be a multiple of the small one, and kv heads must fit")
     g_s, g_l, r = s.heads // s.kv_heads, b.heads // b.kv_heads, b.head_dim // s.head_dim
@@ -74,7 +79,7 @@ def _maps(s: ModelShape, b: ModelShape, device):
     return to(torch.cat([q, k, v])), to(attn_out), math.sqrt(r)
 
 
-def _place(w_big: torch.Tensor, w_small: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+def place(w_big: torch.Tensor, w_small: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
            const_col: int | None) -> None:
     """w_big[rows][:, cols] = w_small; every other row is 0 on the real columns (so it
     writes nothing real); the CONST column is 0 everywhere (no layer reads it)."""
@@ -95,13 +100,13 @@ class _Plan:
 
     def __post_init__(self):
         s, b, dev = self.s, self.b, self.device
-        self.qkv_rows, self.attn_cols, self.q_scale = _maps(s, b, dev)
+        self.qkv_rows, self.attn_cols, self.q_scale = index_maps(s, b, dev)
         self.hid = torch.arange(s.hidden, device=dev)
         self.inter = torch.arange(s.intermediate, device=dev)
         self.gate_up_rows = torch.cat([self.inter, b.intermediate + self.inter])
         self.const = s.hidden
         self.norm_scale = math.sqrt(s.hidden / b.hidden)
-        self.real_layers = torch.linspace(0, b.layers - 1, s.layers).round().long().tolist()
+        self.real_layers = real_layers(s.layers, b.layers)
 
 
 def _plan(small: CausalLM, big: dict, device, dtype) -> tuple[LlamaConfig, _Plan]:
@@ -126,11 +131,11 @@ def _embed_layer(pl: _Plan, i: int, layer) -> None:
     p = f"layers.{pl.real_layers.index(i)}."
     qkv = sp[p + "self_attn.qkv_proj.weight"].clone()
     qkv[: s.heads * s.head_dim] *= pl.q_scale
-    _place(at.qkv_proj.weight, qkv, pl.qkv_rows, hid, const)
+    place(at.qkv_proj.weight, qkv, pl.qkv_rows, hid, const)
     at.o_proj.weight.zero_()  # q heads beside a real one read its values: their output is not 0
-    _place(at.o_proj.weight, sp[p + "self_attn.o_proj.weight"], hid, pl.attn_cols, None)
-    _place(mlp.gate_up_proj.weight, sp[p + "mlp.gate_up_proj.weight"], pl.gate_up_rows, hid, const)
-    _place(mlp.down_proj.weight, sp[p + "mlp.down_proj.weight"], hid, pl.inter, None)
+    place(at.o_proj.weight, sp[p + "self_attn.o_proj.weight"], hid, pl.attn_cols, None)
+    place(mlp.gate_up_proj.weight, sp[p + "mlp.gate_up_proj.weight"], pl.gate_up_rows, hid, const)
+    place(mlp.down_proj.weight, sp[p + "mlp.down_proj.weight"], hid, pl.inter, None)
     for name in ("input_layernorm", "post_attention_layernorm"):
         w = getattr(layer, name).weight
         w[hid] = sp[p + name + ".weight"].to(pl.dtype) * pl.norm_scale
