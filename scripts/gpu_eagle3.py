@@ -9,7 +9,7 @@ colocated, bf16, the fused kernels and CUDA graphs.
 For plain decoding, the draft model and the EAGLE-3 chain at each gamma in GAMMAS (default
 2,4,6): decode tokens/s of one stream, mean accepted length, speedup over plain and the ideal
 E[N] * t_decode / (t_decode + t_draft_step) (gpu_bench.py's formula; t_draft_step timed around
-the drafter's propose calls of the run), and whether the greedy tokens equal plain's (else the
+the drafter's propose calls in a short run of its own), and whether the greedy tokens equal plain's (else the
 target's top-2 margin at the first difference, cluster.bench.harness.agreement). Not here yet:
 EAGLE-3 trees (the paged Triton kernel has no tree masks: an SDPA engine of their own) and the
 head in a drafter replica (disaggregated).
@@ -33,7 +33,8 @@ from cluster.serve.build import build_engine
 
 
 def timed_proposals(drafter) -> list[float]:
-    """Wall seconds of each propose call from now on (synchronised: the drafts go to the host)."""
+    """Wall seconds of each propose call from now on, to the end of its work on the stream it
+    ran on (a drafter with a stream of its own drafts beside the verify pass)."""
     times: list[float] = []
     propose = drafter.propose
 
@@ -41,7 +42,7 @@ def timed_proposals(drafter) -> list[float]:
         t = time.perf_counter()
         out = propose(requests)
         if torch.cuda.is_available():
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
         times.append(time.perf_counter() - t)
         return out
 
@@ -63,8 +64,9 @@ def run(engine, a, R: dict) -> None:
         out = R.setdefault("by_drafter", {}).setdefault(name, {})
         for g in a.gammas:
             decode_rate(engine, one, SpecParams("fixed", g), name, new=a.warm)
-            times = timed_proposals(engine.drafters[name])
             s = decode_rate(engine, one, SpecParams("fixed", g), name, new=a.new)
+            times = timed_proposals(engine.drafters[name])  # a run of its own: the timing syncs
+            decode_rate(engine, one, SpecParams("fixed", g), name, new=2 * a.warm)
             del engine.drafters[name].propose  # back to the class's method
             t_draft = sum(times) / max(len(times), 1)
             ideal = s["mean_accepted_len"] * t_dec / (t_dec + t_draft)
