@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench.harness import agreement, cuda_time, decode_rate, drop_ids, dumps, log, step_calls
+from cluster.bench.harness import cuda_time, decode_rate, drop_ids, dumps, log, spec_point, step_calls
 from cluster.bench.workloads import code_prompts
 from cluster.config import parse_config
 from cluster.engine.scheduling.sequence import SpecParams
@@ -68,15 +68,7 @@ def run(engine, a, R: dict) -> None:
             times = timed_proposals(engine.drafters[name])  # a run of its own: the timing syncs
             decode_rate(engine, one, SpecParams("fixed", g), name, new=2 * a.warm)
             del engine.drafters[name].propose  # back to the class's method
-            t_draft = sum(times) / max(len(times), 1)
-            ideal = s["mean_accepted_len"] * t_dec / (t_dec + t_draft)
-            speedup = s["tokens_per_s"] / plain["tokens_per_s"]
-            r = out[g] = {**drop_ids(s), "speedup": speedup, "draft_ms_per_step": 1e3 * t_draft,
-                          "ideal_speedup": ideal, "fraction_of_ideal": speedup / ideal,
-                          "same_tokens_as_plain": s["token_ids"] == plain["token_ids"]}
-            if not r["same_tokens_as_plain"]:  # a near tie or a bug: the margin says which
-                r["agreement"] = agreement(engine, engine.tokenizer.encode(one[0]), s["token_ids"][0],
-                                           plain["token_ids"][0])
+            r = out[g] = spec_point(engine, one[0], s, plain, t_dec, sum(times) / max(len(times), 1))
             log(f"{name} g{g}:", r)
         best = max(out, key=lambda g: out[g]["tokens_per_s"])
         R.setdefault("best", {})[name] = {"gamma": best, **out[best]}

@@ -30,7 +30,7 @@ import time
 import torch
 
 from cluster.bench.load import run_engine, summarise
-from cluster.bench.harness import DEMO, copy_bandwidth, log, matmul_rate, roofline, write_json
+from cluster.bench.harness import COMPILE_CACHE, DEMO, copy_bandwidth, log, matmul_rate, roofline, write_json
 from cluster.bench.workloads import code_prompts, random_token_prompts
 from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.model import ModelDrafter
@@ -184,7 +184,7 @@ def main() -> int:
                        gpu_memory_utilization=float(os.environ.get("GPU_MEMORY_UTILIZATION", "0.9")),
                        kv_cache_dtype=os.environ.get("KV_CACHE_DTYPE", "auto"),
                        mixed_prefill=os.environ.get("MIXED_PREFILL") == "1",
-                       compile_cache_dir=os.environ.get("COMPILE_CACHE", "/tmp/spec-cluster-compile"))
+                       compile_cache_dir=COMPILE_CACHE)
     R["kv_cache_dtype"], R["mixed_prefill"] = cfg.kv_cache_dtype, cfg.mixed_prefill
     drafter = ModelDrafter(draft, 2 * cfg.max_num_seqs, 2048)  # longer rows decode without drafts
     tok = AutoTokenizer.from_pretrained(DEMO / "target")

@@ -30,14 +30,13 @@ from cluster.config import parse_config
 from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.sequence import SpecParams
 from cluster.serve.build import build_engine
-from cluster.bench.harness import OUT, log
+from cluster.bench.harness import COMPILE_CACHE, OUT, log
 
 PARTS = os.environ.get("PARTS", "start,8b,e3,demo,tree,mixed,fp8,preempt,serve,tp").split(",")
 RESULTS: dict[str, dict] = {}
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\ndef main(argv):\n", "class Stack:\n    def __init__(self",
            "for i in range(10):\n    print(", "    def __repr__(self):\n        return"]
 GREEDY = SamplingParams(max_tokens=64, ignore_eos=True)
-CACHE = os.environ.get("COMPILE_CACHE", "/tmp/spec-cluster-compile")
 DEVICE = os.environ.get("DEVICE", "cuda")
 GPU = DEVICE == "cuda"
 
@@ -57,7 +56,7 @@ def check(name: str, fn) -> None:
 
 def engine_for(models: dict, engine: dict | None = None, **top):
     cfg = {"models": {"dtype": "bfloat16" if GPU else "float32", "device": DEVICE, **models}, "placement": "colocated",
-           "engine": {"compile": GPU, "compile_cache_dir": CACHE, **(engine or {})}, **top}
+           "engine": {"compile": GPU, "compile_cache_dir": COMPILE_CACHE, **(engine or {})}, **top}
     return build_engine(parse_config(cfg))
 
 
@@ -199,29 +198,23 @@ def part_e3() -> None:
         return
     e = engine_for({"target": "demo-8b-target", "draft": None, "eagle3": "demo-8b-eagle3", "drafter": "eagle3"},
                    {"max_num_seqs": 16, "max_model_len": 2048, "gpu_memory_utilization": 0.5})
-
-    def chain():
-        d = greedy_run(e, PROMPTS, SpecParams("fixed", 4), "eagle3")
-        graphs = e.drafters["eagle3"].graphs
-        need(graphs is not None or not GPU, "the head has no CUDA graphs")
-        need(e.drafters["eagle3"].head.cfg.hidden == e.runner.model.shape.hidden, "the head is not at the 8B shape")
-        return {**d, "head_graph_buckets": sorted(graphs.steps) if graphs else []}
-
-    check("eagle3_8b_chain", chain)
+    need(e.drafters["eagle3"].head.cfg.hidden == e.runner.model.shape.hidden, "the head is not at the 8B shape")
+    check("eagle3_8b_chain", lambda: eagle3_chain(e))
     free(e)
+
+
+def eagle3_chain(e) -> dict:
+    """The EAGLE-3 chain at gamma 4, on the head's CUDA graphs where there is a GPU."""
+    d = greedy_run(e, PROMPTS, SpecParams("fixed", 4), "eagle3")
+    graphs = e.drafters["eagle3"].graphs
+    need(graphs is not None or not GPU, "the head has no CUDA graphs")
+    return {**d, "head_graph_buckets": sorted(graphs.steps) if graphs else []}
 
 
 def part_demo() -> None:
     e = engine_for({"target": "demo-target", "draft": "demo-draft"}, {"max_num_seqs": 32, "kv_cache_gb": 2})
     check("medusa", lambda: greedy_run(e, PROMPTS, SpecParams("fixed", 3), "medusa"))
-
-    def eagle3_chain():
-        d = greedy_run(e, PROMPTS, SpecParams("fixed", 4), "eagle3")
-        graphs = e.drafters["eagle3"].graphs
-        need(graphs is not None or not GPU, "the head has no CUDA graphs")
-        return {**d, "head_graph_buckets": sorted(graphs.steps) if graphs else []}
-
-    check("eagle3_chain", eagle3_chain)
+    check("eagle3_chain", lambda: eagle3_chain(e))
     free(e)
 
 
@@ -259,7 +252,7 @@ def part_serve() -> None:
 
     cfg = {"models": {"target": "demo-target", "draft": "demo-draft", "dtype": "bfloat16" if GPU else "float32",
                       "device": DEVICE},
-           "engine": {"max_num_seqs": 16, "kv_cache_gb": 2, "compile_cache_dir": CACHE},
+           "engine": {"max_num_seqs": 16, "kv_cache_gb": 2, "compile_cache_dir": COMPILE_CACHE},
            "placement": "colocated", "verifier": {"ray_actor_options": {"num_gpus": 1} if GPU else {}}}
 
     def serve():

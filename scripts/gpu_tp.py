@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench.harness import (agreement, copy_bandwidth, cuda_time, decode_rate, drop_ids, dumps, log, matmul_rate,
-                                    roofline, step_calls)
+from cluster.bench.harness import (copy_bandwidth, cuda_time, decode_rate, drop_ids, dumps, log, matmul_rate, roofline,
+                                    spec_point, step_calls)
 from cluster.bench.load import run_engine, summarise
 from cluster.bench.workloads import code_prompts
 from cluster.config import ClusterConfig, resolve_model_path
@@ -130,14 +130,8 @@ def spec(engine, a, R: dict) -> None:
         decode_rate(engine, one, SpecParams("fixed", g), "model", new=a.warm)
         s = decode_rate(engine, one, SpecParams("fixed", g), "model", new=a.new)
         t_draft = draft_time(drafter, engine.tokenizer.encode(a.prompts[2]), g, a.iters)
-        ideal = s["mean_accepted_len"] * t_dec / (t_dec + g * t_draft)
-        speedup = s["tokens_per_s"] / plain["tokens_per_s"]
-        same = s["token_ids"] == plain["token_ids"]
-        out["by_gamma"][g] = {**drop_ids(s), "draft_ms_per_token": 1e3 * t_draft, "speedup": speedup,
-                              "ideal_speedup": ideal, "fraction_of_ideal": speedup / ideal, "same_tokens_as_plain": same}
-        if not same:  # a near tie (the two best logits a rounding apart) or a bug: the margin says which
-            out["by_gamma"][g]["agreement"] = agreement(engine, engine.tokenizer.encode(one[0]), s["token_ids"][0],
-                                                        plain["token_ids"][0])
+        out["by_gamma"][g] = {**spec_point(engine, one[0], s, plain, t_dec, g * t_draft),
+                              "draft_ms_per_token": 1e3 * t_draft}
         log(f"draft model g{g}:", out["by_gamma"][g])
     best = max(out["by_gamma"], key=lambda g: out["by_gamma"][g]["tokens_per_s"])
     out["best_gamma"], out["best"] = best, out["by_gamma"][best]

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 OUT = Path(os.environ.get("OUT", "."))  # the device tool brings back what lands here
+# one compile cache for the GPU scripts of a call, so the second engine start loads, not compiles
+COMPILE_CACHE = os.environ.get("COMPILE_CACHE", "/tmp/spec-cluster-compile")
 DEMO = Path(__file__).resolve().parents[1] / "models" / "demo"
 T0 = time.time()
 
@@ -127,6 +129,19 @@ def step_calls(engine, ctx_ids: list[int], widths) -> tuple[object, dict]:
     engine.kv.grow(h, n + max(widths))
     engine.runner.forward([h.row], [0], [ctx_ids], last_only=True)
     return h, {w: (lambda w=w: engine.runner.forward([h.row], [n], [[5] * w], last_only=False)) for w in widths}
+
+
+def spec_point(engine, prompt: str, s: dict, plain: dict, t_decode: float, t_draft_step: float) -> dict:
+    """A decode_rate result with speculation against plain decoding's: speedup, the ideal
+    E[N] * t_decode / (t_decode + t_draft_step) and the fraction of it reached, and whether the
+    greedy tokens are plain's (else where and by what margin they part: agreement)."""
+    ideal = s["mean_accepted_len"] * t_decode / (t_decode + t_draft_step)
+    speedup = s["tokens_per_s"] / plain["tokens_per_s"]
+    r = {**drop_ids(s), "speedup": speedup, "draft_ms_per_step": 1e3 * t_draft_step, "ideal_speedup": ideal,
+         "fraction_of_ideal": speedup / ideal, "same_tokens_as_plain": s["token_ids"] == plain["token_ids"]}
+    if not r["same_tokens_as_plain"]:  # a near tie (the two best logits a rounding apart) or a bug
+        r["agreement"] = agreement(engine, engine.tokenizer.encode(prompt), s["token_ids"][0], plain["token_ids"][0])
+    return r
 
 
 def agreement(engine, prompt: list[int], spec: list[int], plain: list[int]) -> dict:

@@ -28,7 +28,8 @@ import threading
 import time
 from pathlib import Path
 
-OUT = Path(os.environ.get("OUT", "."))
+from cluster.bench.harness import COMPILE_CACHE, OUT
+
 LEVELS = [int(x) for x in os.environ.get("LEVELS", "1,64,128,256").split(",")]
 SPECS = os.environ.get("SPECS", "off,4,auto").split(",")
 APIS = os.environ.get("APIS", "grpc,http").split(",")
@@ -38,7 +39,7 @@ CONFIG = {"models": {"target": "demo-8b-target", "draft": "demo-8b-draft", "dtyp
           "engine": {"max_num_seqs": 256, "max_waiting": 1024, "max_model_len": 4096, "max_batch_tokens": 2048,
                      "prefill_chunk": 512, "compile": True, "gpu_memory_utilization": 0.8,
                      "prefix_caching": False,  # the paths run the same prompts (see seed)
-                     "compile_cache_dir": os.environ.get("COMPILE_CACHE", "/tmp/spec-cluster-compile")},
+                     "compile_cache_dir": COMPILE_CACHE},
           "speculation": {"mode": "goodput", "gamma": 4, "gamma_max": 8},
           "router": {"max_inflight": 2048, "per_client_concurrency": 2048, "max_tokens_limit": 4096},
           "verifier": {"ray_actor_options": {"num_gpus": 1}, "max_ongoing_requests": 2048},
