@@ -9,9 +9,9 @@ PARTS (comma-separated, default all):
   output tokens, c requests in flight over 2c requests (at least 16), plain / fixed gamma 4 / goodput, c in
   LEVELS (default 1,16,64,128,256). Beside each point the workload's roofline: prefill FLOPs
   at the measured bf16 matmul rate, plus decode steps that read the weights and every live
-  sequence's KV at the measured copy bandwidth. Host ms per step (step wall time minus the
-  GPU time of its CUDA-graph replays, so eager prefill passes count in it) and GPU ms per graph
-  replay, for each mode.
+  sequence's KV at the measured copy bandwidth. GPU time by pass kind (decode, verify and
+  prefill graph replays, drafter replays, eager target passes: `gpu_by_kind`) and host ms per
+  step (step wall time minus all of that GPU time), for each mode.
 - capacity: 256 concurrent 2k-token sequences (1920-token prompts, 128 new tokens), and one
   request of a 32,000-token prompt.
 - MIXED_PREFILL=1 runs everything with engine.mixed_prefill (prefill chunks in the verify
@@ -40,24 +40,42 @@ from cluster.engine.scheduling.sequence import SpecParams
 from cluster.engine.worker.embedded import demo_8b
 from cluster.policy import SpeculationPolicyConfig, make_controller
 
-REPLAYS: list = []  # (start, end) CUDA events of every graph replay
+REPLAYS: list = []  # (kind, start, end): CUDA events of every graph replay and eager target pass
+KINDS: dict[int, str] = {}  # id(CUDA graph) -> decode / verify / prefill / draft
 
 
-def time_replays() -> None:
+def time_replays(engine) -> None:
+    """Time every graph replay and every eager pass of the target on the GPU, by kind: decode
+    (one token a row), verify (gamma + 1), prefill (a prompt width's graph), draft (a drafter's
+    graph), eager (a target pass no graph serves)."""
+    g = engine.runner.graphs
+    for (_, width, _), graph in g.graphs.items():
+        KINDS[id(graph.graph)] = "decode" if width == 1 else "verify" if width <= g.max_width else "prefill"
     replay = torch.cuda.CUDAGraph.replay
 
-    def timed(self):
+    def bracket(kind, fn, *args, **kw):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        replay(self)
+        out = fn(*args, **kw)
         b.record()
-        REPLAYS.append((a, b))
+        REPLAYS.append((kind, a, b))
+        return out
 
-    torch.cuda.CUDAGraph.replay = timed
+    torch.cuda.CUDAGraph.replay = lambda self: bracket(KINDS.get(id(self), "draft"), replay, self)
+    forward = engine.runner.forward
+
+    def timed_forward(rows, cache_lens, tokens, last_only, *args, trees=None, **kw):
+        served = trees is None or all(t is None for t in trees)
+        if served and g.eligible(len(tokens), max(map(len, tokens)), last_only):
+            return forward(rows, cache_lens, tokens, last_only, *args, trees=trees, **kw)
+        return bracket("eager", forward, rows, cache_lens, tokens, last_only, *args, trees=trees, **kw)
+
+    engine.runner.forward = timed_forward
 
 
 def measured(engine, fn) -> tuple[dict, dict]:
-    """fn's result, and the engine's steps, graph GPU seconds and host ms per step meanwhile."""
+    """fn's result, and the engine's steps, GPU seconds of graph replays and eager passes (by
+    kind) and host ms per step meanwhile."""
     p = engine.pipeline
     counters = lambda: {k: getattr(p, k) for k in ("launched", "hits", "fresh", "deferred_rows", "dropped_rows")} if p else {}  # noqa: E731
     steps0, prefill0, ahead0, REPLAYS[:] = engine.totals["steps"], engine.totals["prefill_steps"], counters(), []
@@ -65,15 +83,22 @@ def measured(engine, fn) -> tuple[dict, dict]:
     out = fn()
     wall = time.perf_counter() - t
     torch.cuda.synchronize()
-    gpu = sum(a.elapsed_time(b) for a, b in REPLAYS) / 1e3
+    by_kind: dict[str, dict] = {}
+    for kind, a, b in REPLAYS:
+        k = by_kind.setdefault(kind, {"count": 0, "gpu_s": 0.0})
+        k["count"] += 1
+        k["gpu_s"] += a.elapsed_time(b) / 1e3
+    for k in by_kind.values():
+        k["gpu_ms_each"] = 1e3 * k["gpu_s"] / k["count"]
+    gpu = sum(k["gpu_s"] for k in by_kind.values())
     steps = engine.totals["steps"] - steps0
     # the launch-ahead pipeline: steps that used a launch, ran afresh, rows that waited a step or were dropped
     ahead = {k: v - ahead0[k] for k, v in counters().items()}
     return out, {"steps": steps, "prefill_steps": engine.totals["prefill_steps"] - prefill0, "launch_ahead": ahead,
-                 "graph_gpu_s": gpu, "wall_s": wall, "host_ms_per_step": 1e3 * (wall - gpu) / max(steps, 1),
-                 # the graph replays alone (decode and verify passes): GPU ms each, to hold against
-                 # the bytes a step reads; prefill passes run eagerly and are not among them
-                 "replays": len(REPLAYS), "gpu_ms_per_replay": 1e3 * gpu / max(len(REPLAYS), 1)}
+                 "gpu_s": gpu, "wall_s": wall, "host_ms_per_step": 1e3 * (wall - gpu) / max(steps, 1),
+                 # GPU time by pass kind: decode replays to hold against the bytes a step reads,
+                 # prefill (graphs and eager passes) against its FLOPs
+                 "gpu_by_kind": by_kind}
 
 
 def sweep(engine, R: dict) -> None:
@@ -196,7 +221,7 @@ def main() -> int:
                    "kv_gib": engine.kv.k.numel() * 2 * engine.kv.k.element_size() / 2**30,
                    "free_gib_after_start": free / 2**30, "card_gib": total / 2**30}
     log("engine:", R["engine"])
-    time_replays()
+    time_replays(engine)
     parts = os.environ.get("PARTS", "sweep,capacity,prefix").split(",")
     for part in parts:
         try:

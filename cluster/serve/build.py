@@ -82,7 +82,7 @@ def build_eagle3_drafter(cfg: ClusterConfig, target: CausalLM | None = None) -> 
     if cuda and ec.compile:
         compile_kernels(ec.compile_cache_dir)
     return Eagle3Drafter(head, num_slots=draft_slots(ec), max_len=max_len, attention=ec.attention,
-                         cuda_graphs=ec.cuda_graphs)
+                         cuda_graphs=ec.cuda_graphs, graph_width=ec.gamma_max + 1)
 
 
 def eagle3_aux_layers(cfg: ClusterConfig, target_layers: int) -> tuple[int, ...]:

@@ -70,7 +70,8 @@ def medusa_engines(random_models, tokenizer) -> tuple[Engine, Engine]:
 def replays(engine: Engine) -> int:
     runners = {id(r): r for r in [engine.runner] + [getattr(d, "runner", None) for d in engine.drafters.values()] if r}
     gs = [g.graph for r in runners.values() if r.graphs for g in r.graphs.graphs.values()]
-    gs += [s.graph for d in engine.drafters.values() if getattr(d, "graphs", None) for s in d.graphs.steps.values()]
+    heads = [d.graphs for d in engine.drafters.values() if getattr(d, "graphs", None)]
+    gs += [p.graph for h in heads for p in [*h.steps.values(), *h.catch_ups.values()]]
     assert all(isinstance(g, _EagerGraph) for g in gs)
     return sum(g.replays for g in gs)
 
@@ -112,5 +113,11 @@ def test_model_drafter_and_eagle3_steps_replay_graphs(engines):
     d = graphs.drafters["model"].runner.graphs
     assert any(w == 1 for (_, w, _) in d.graphs)  # draft steps
     assert any(w > 1 for (_, w, _) in d.graphs)  # catch-up passes
-    assert graphs.drafters["eagle3"].graphs.steps  # the head's one-token steps
+    head = graphs.drafters["eagle3"].graphs
+    assert head.steps  # the head's one-token steps
+    assert {w for (_, w) in head.catch_ups} == set(range(1, 10))  # catch-up widths up to a verify row
+    before = sum(p.graph.replays for p in head.catch_ups.values())
+    graphs.generate(PROMPTS[:2], GREEDY, SpecParams("fixed", 3), "eagle3")
+    assert sum(p.graph.replays for p in head.catch_ups.values()) > before + 10  # after each verify step
+    graphs.generate(PROMPTS[:1], GREEDY, SpecParams("fixed", 2), "early-exit")  # not left to another test
     assert any(layers == 1 for (_, _, layers) in graphs.runner.graphs.graphs)  # early exit's first layer

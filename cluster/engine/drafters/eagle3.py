@@ -49,9 +49,10 @@ class Eagle3Drafter(Drafter):
     name = "eagle3"
 
     def __init__(self, head: Eagle3Head, num_slots: int = 64, max_len: int = 2048, attention: str = "auto",
-                 tree_width: int = 0, cuda_graphs: bool = True):
+                 tree_width: int = 0, cuda_graphs: bool = True, graph_width: int = 9):
         """max_len: longest sequence (plus drafts) it drafts for; tree_width: children per node
-        of a greedy tree (0: chains only, also where the backend has no tree masks)."""
+        of a greedy tree (0: chains only, also where the backend has no tree masks);
+        graph_width: the widest catch-up pass that replays a CUDA graph (a verify row, gamma_max + 1)."""
         self.head = head
         self.aux_layers = head.cfg.aux_layers
         p = next(head.parameters())
@@ -68,7 +69,7 @@ class Eagle3Drafter(Drafter):
         if capture is not None:
             from cluster.engine.drafters.eagle3_graphs import HeadGraphs
 
-            self.graphs = HeadGraphs(head, self.kv, capture)
+            self.graphs = HeadGraphs(head, self.kv, capture, graph_width)
         self.state: OrderedDict[str, _State] = OrderedDict()  # seq_id -> state, least recently used first
         self.generators: dict[str, torch.Generator] = {}
 
@@ -174,19 +175,27 @@ class Eagle3Drafter(Drafter):
         idx = [i for i, f in enumerate(feed) if len(f)]
         if not idx:
             return
-        width = max(len(feed[i]) for i in idx)
-        ids = torch.zeros((len(idx), width), dtype=torch.int64)
-        x = torch.zeros((len(idx), width, self.head.cfg.hidden), dtype=self.dtype, device=self.device)
-        for j, i in enumerate(idx):
-            r, f = reqs[i], feed[i]
-            ids[j, : len(f)] = torch.tensor(r.token_ids[f.start + 1: f.stop + 1])
-            aux = r.aux[f.start - r.aux_start: f.stop - r.aux_start].to(self.device)
-            x[j, : len(f)] = self.head.combine(aux).to(self.dtype)
         sts = [states[i] for i in idx]
-        out = self._pass(sts, [st.n - st.base for st in sts], ids.to(self.device), x, [len(feed[i]) for i in idx])
+        lens = [st.n - st.base for st in sts]
+        ids = [reqs[i].token_ids[feed[i].start + 1: feed[i].stop + 1] for i in idx]
+        aux = [reqs[i].aux[feed[i].start - reqs[i].aux_start: feed[i].stop - reqs[i].aux_start].to(self.device)
+               for i in idx]
+        if self.graphs is not None and self.graphs.fits(len(idx), max(map(len, ids))):
+            self.kv.sync()
+            last = self.graphs.catch_up([st.handle.row for st in sts], lens, ids, aux)
+        else:
+            self.kv.sync()
+            width = max(map(len, ids))
+            x = torch.zeros((len(idx), width, self.head.cfg.hidden), dtype=self.dtype, device=self.device)
+            pad = torch.zeros((len(idx), width), dtype=torch.int64)
+            for j, (t, a) in enumerate(zip(ids, aux)):
+                pad[j, : len(t)] = torch.tensor(t)
+                x[j, : len(t)] = self.head.combine(a).to(self.dtype)
+            out = self._pass(sts, lens, pad.to(self.device), x, list(map(len, ids)))
+            last = torch.stack([out[j, len(t) - 1] for j, t in enumerate(ids)])
         for j, i in enumerate(idx):
             st, f = states[i], feed[i]
-            st.out = out[j, len(f) - 1]
+            st.out = last[j]
             st.n = f.stop
             st.tokens += reqs[i].token_ids[len(st.tokens): st.n + 1]  # token_ids[:n + 1], extended
 
@@ -195,12 +204,20 @@ class Eagle3Drafter(Drafter):
         """The head over rows of its cache: ids [B, T], x [B, T, D] -> outputs [B, T, D]."""
         rows = [st.handle.row for st in sts]
         self.kv.sync()
-        if tree is None and self.graphs is not None and ids.shape[1] == 1:
-            return self.graphs.step(rows, cache_lens, ids, x)
         ctx = AttnContext.build(self.kv, rows, cache_lens, q_lens, self.device)
         if tree is not None:  # tree nodes share positions by depth and see their ancestors only
             ctx.tree_mask, ctx.positions = tree, ctx.cache_lens[:, None] + depth
         return self.head(ids, x, ctx.positions, self.kv, ctx)
+
+    def _step(self, sts: list[_State], cache_lens: list[int], tok: torch.Tensor, out: torch.Tensor):
+        """One draft step of every row: its draft token [B] and the head's output before it [B, D]
+        -> (the head's output [B, D], fp32 draft logits [B, draft_vocab], their argmax in target ids [B])."""
+        if self.graphs is not None and self.graphs.fits(len(sts), 1):
+            self.kv.sync()
+            return self.graphs.step([st.handle.row for st in sts], cache_lens, tok, out)
+        new = self._pass(sts, cache_lens, tok[:, None], out[:, None], [1] * len(sts))[:, 0]
+        logits = self.head.logits(new)
+        return new, logits, self.head.target_ids(logits.argmax(-1))
 
     def _chain(self, reqs: list[DraftRequest], sts: list[_State]) -> list[tuple[list, list, list]]:
         """Each row's chain of r.k drafts (target ids) with its proposals (support, probabilities)."""
@@ -210,18 +227,21 @@ class Eagle3Drafter(Drafter):
                 self.generators.get(r.seq_id) or self.generators.setdefault(r.seq_id, draft_generator(r.params.seed))
                 for r in reqs]
         out = torch.stack([st.out for st in sts])
+        logits = head.logits(out)                                       # [B, draft_vocab]
+        argmax = head.target_ids(logits.argmax(-1)) if greedy else None
         res: list[tuple[list, list, list]] = [([], [], []) for _ in reqs]
         picks = []
         for step in range(k_max):
-            logits = head.logits(out)                                   # [B, draft_vocab]
             if greedy:  # argmax fed back on the device; one copy to the host at the end
-                tok = head.target_ids(logits.argmax(-1))
+                tok = argmax
                 picks.append(tok)
             else:
                 tok = self._sample(reqs, logits, gens, res, step)
             if step + 1 == k_max:
                 break
-            out = self._pass(sts, [st.n - st.base + step for st in sts], tok[:, None], out[:, None], [1] * len(sts))[:, 0]
+            out, logits, argmax = self._step(sts, [st.n - st.base + step for st in sts], tok, out)
+            if greedy:
+                argmax = argmax.clone()  # the graph's buffer: the next step writes it
         if greedy:
             flat = torch.stack(picks, 1).tolist()
             for b, r in enumerate(reqs):

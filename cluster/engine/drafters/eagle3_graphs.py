@@ -1,10 +1,22 @@
-"""CUDA graphs for the EAGLE-3 head's one-token steps.
+"""CUDA graphs for the EAGLE-3 head: catch-up passes and draft steps.
 
-A draft step is one layer over one token a row: launches, not math, so each batch bucket's
-step is captured once and replayed with the rows' table indices, lengths, draft tokens and
-hidden inputs copied into its static buffers (as cluster.engine.worker.graphs does for the model
-drafter's steps). Padding rows use the KV cache's scratch row. Capture and replay go through
-cluster.engine.worker.capture (CUDA graphs, or the CPU tests' eager stand-in).
+The head is one layer: at batch 1 a pass is launches, not math (an eager catch-up pass at the
+8B shape took ~2 ms on an H100 against ~0.2 ms of GPU work), so both passes the drafter makes
+every step replay graphs:
+
+- catch-up (every width up to `max_width`, the longest verify row): the target's aux hidden
+  states of the newly accepted positions go through fc inside the graph; out: the head's
+  output at each row's last new position.
+- draft step (one token a row): the pass, the draft logits and their argmax in target ids, so
+  a greedy chain reads nothing back until its end.
+
+Each (batch bucket, width) is captured once and replayed with the rows' table indices,
+lengths and real widths copied into its static buffers (one copy from pinned memory, as
+cluster.engine.worker.graphs does); padding rows use the KV cache's scratch row. Rows shorter
+than the width write no keys past their real tokens (the attention backends write q_lens
+tokens a row). Logits and aux inputs live in one buffer each, shared by every graph: one
+replays at a time and its caller reads its outputs before the next. Capture and replay go
+through cluster.engine.worker.capture (CUDA graphs, or the CPU tests' eager stand-in).
 """
 
 from __future__ import annotations
@@ -15,60 +27,123 @@ from cluster.engine.worker.attention import AttnContext
 from cluster.engine.worker.graphs import BUCKETS, bucket
 
 
-class _Step:
-    def __init__(self, head, kv, batch: int, capture, pool):
-        dev, s = kv.k.device, head.shape
-        self.host = capture.host(2 * batch)
+class _Pass:
+    def __init__(self, owner: "HeadGraphs", batch: int, width: int):
+        """width 0: a draft step (x in, logits and argmax out); else a catch-up pass of that width."""
+        head, kv, capture = owner.head, owner.kv, owner.capture
+        dev, s, T = kv.k.device, head.shape, max(width, 1)
+        self.batch, self.width = batch, T
+        self.host = capture.host(batch * T + 3 * batch)
         self.copied = capture.event()  # the last copy out of `host` is done
-        self.inputs = torch.zeros((2 * batch,), dtype=torch.int64, device=dev)
-        self.rows, self.lens = self.inputs[:batch], self.inputs[batch:]
-        self.ids = torch.zeros((batch, 1), dtype=torch.int64, device=dev)
-        self.x = torch.zeros((batch, 1, head.cfg.hidden), dtype=kv.k.dtype, device=dev)
+        self.inputs = torch.zeros((batch * T + 3 * batch,), dtype=torch.int64, device=dev)
+        self.ids = self.inputs[: batch * T].view(batch, T)
+        self.rows, self.lens, self.q_lens = self.inputs[batch * T:].view(3, batch)
         self.rows.fill_(kv.scratch_row)
+        self.q_lens.fill_(1)
+        if width:
+            A = owner.aux_width
+            self.aux = owner.aux[: batch * T * A].view(batch, T, A)
+        else:
+            self.x = torch.zeros((batch, 1, head.cfg.hidden), dtype=kv.k.dtype, device=dev)
+        logits = owner.logits[:batch]
 
         splits = 1
         if head.backend.name == "triton":
             from cluster.engine.worker.paged_attention import num_splits
 
-            splits = num_splits(batch, s.kv_heads, -(-(s.heads // s.kv_heads) // 64), kv.max_tokens)
+            splits = num_splits(batch, s.kv_heads, -(-T * (s.heads // s.kv_heads) // 64), kv.max_tokens)
 
         def body():
-            pos = self.lens[:, None]
-            ctx = AttnContext(self.rows, self.lens, torch.ones_like(self.lens), pos, 1, kv.max_tokens,
-                              None, kv.tables, splits=splits, slots=kv.slots(self.rows, pos).flatten())
-            return (head(self.ids, self.x, pos, kv, ctx),)
+            # padded positions past a row's tokens are computed and dropped: keep them in the rotary table
+            pos = (self.lens[:, None] + torch.arange(T, device=dev)).clamp(max=head.cfg.max_positions - 1)
+            ctx = AttnContext(self.rows, self.lens, self.q_lens, pos, T, kv.max_tokens, None, kv.tables,
+                              splits=splits, slots=kv.slots(self.rows, pos).flatten())
+            x = head.combine(self.aux).to(kv.k.dtype) if width else self.x
+            h = head(self.ids, x, pos, kv, ctx)
+            last = h[torch.arange(batch, device=dev), self.q_lens - 1]  # [B, D]
+            if width:
+                return last, None, None
+            logits.copy_(head.logits(last))
+            return last, logits, head.target_ids(logits.argmax(-1))
 
-        self.graph, (self.out,) = capture.capture(body, pool)
+        self.graph, (self.out, self.logits, self.tok) = capture.capture(body, owner.pool)
+
+    def fill(self, rows: list[int], cache_lens: list[int], q_lens: list[int], ids: list[list[int]] | None,
+             scratch_row: int) -> None:
+        """The step's host inputs (ids [B][q_len], or None: the caller copies them on the device)."""
+        self.copied.synchronize()
+        b, bk, T = len(rows), self.batch, self.width
+        host = self.host.numpy()
+        n = bk * T
+        if ids is not None:
+            host[:n] = 0
+            flat = host[:n].reshape(bk, T)
+            for j, t in enumerate(ids):
+                flat[j, : len(t)] = t
+        host[n:n + bk] = scratch_row
+        host[n + bk:] = 0
+        host[n + 2 * bk:] = 1
+        host[n:n + b], host[n + bk:n + bk + b], host[n + 2 * bk:n + 2 * bk + b] = rows, cache_lens, q_lens
+        if ids is None:  # only rows, lens and widths: the ids stay as the device wrote them
+            self.inputs[n:].copy_(self.host[n:], non_blocking=True)
+        else:
+            self.inputs.copy_(self.host, non_blocking=True)
+        self.copied.record()
 
 
 class HeadGraphs:
-    def __init__(self, head, kv, capture):
-        self.head, self.kv, self.capture = head, kv, capture
-        self.steps: dict[int, _Step] = {}
+    def __init__(self, head, kv, capture, max_width: int):
+        """max_width: the widest catch-up pass replayed (a verify row: gamma_max + 1); wider ones run eagerly."""
+        self.head, self.kv, self.capture, self.max_width = head, kv, capture, max_width
+        self.steps: dict[int, _Pass] = {}
+        self.catch_ups: dict[tuple[int, int], _Pass] = {}
         self.pool = capture.pool()
+        p = next(head.parameters())
+        top = bucket(min(kv.max_rows, BUCKETS[-1]))
+        self.max_batch = top
+        self.logits = torch.empty((top, head.cfg.draft_vocab), dtype=torch.float32, device=p.device)
+        A = len(head.cfg.aux_layers) * head.cfg.target_hidden
+        self.aux = torch.zeros((top * max_width * A,), dtype=p.dtype, device=p.device)
+        self.aux_width = A
+
+    def _graph(self, batch: int, width: int) -> _Pass:
+        bk = bucket(batch)
+        graphs, key = (self.catch_ups, (bk, width)) if width else (self.steps, bk)
+        g = graphs.get(key)
+        if g is None:
+            g = graphs[key] = _Pass(self, bk, width)
+        return g
 
     @torch.inference_mode()
     def capture_all(self, max_batch: int) -> None:
-        """Every batch bucket's step, before serving (a capture costs a step's worth many times)."""
-        for bk in BUCKETS[:BUCKETS.index(bucket(min(max_batch, BUCKETS[-1]))) + 1]:
-            if bk not in self.steps:
-                self.steps[bk] = _Step(self.head, self.kv, bk, self.capture, self.pool)
+        """Every bucket's draft step and catch-up widths, before serving (a capture costs a step's worth many times)."""
+        for bk in BUCKETS[:BUCKETS.index(bucket(min(max_batch, self.max_batch))) + 1]:
+            for width in range(self.max_width + 1):
+                self._graph(bk, width)
+
+    def fits(self, batch: int, width: int) -> bool:
+        return batch <= self.max_batch and width <= self.max_width
 
     @torch.inference_mode()
-    def step(self, rows: list[int], cache_lens: list[int], ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """ids [B, 1] and x [B, 1, D] on the device -> the head's outputs [B, 1, D] (a copy)."""
-        b, bk = len(rows), bucket(len(rows))
-        g = self.steps.get(bk)
-        if g is None:
-            g = self.steps[bk] = _Step(self.head, self.kv, bk, self.capture, self.pool)
-        g.copied.synchronize()
-        host = g.host.numpy()
-        host[:] = 0
-        host[:bk] = self.kv.scratch_row
-        host[:b], host[bk:bk + b] = rows, cache_lens
-        g.inputs.copy_(g.host, non_blocking=True)
-        g.copied.record()
-        g.ids[:b].copy_(ids)
-        g.x[:b].copy_(x)
+    def catch_up(self, rows: list[int], cache_lens: list[int], ids: list[list[int]], aux: list[torch.Tensor]) -> torch.Tensor:
+        """Row b's len(ids[b]) new positions (their next tokens `ids[b]`, the target's aux states
+        `aux[b]` [n, A]) after cache_lens[b] -> the head's output at each row's last one [B, D] (a copy)."""
+        q_lens = [len(t) for t in ids]
+        g = self._graph(len(rows), max(q_lens))
+        g.fill(rows, cache_lens, q_lens, ids, self.kv.scratch_row)
+        for j, a in enumerate(aux):
+            g.aux[j, : len(a)].copy_(a, non_blocking=True)
         g.graph.replay()
-        return g.out[:b].clone()
+        return g.out[: len(rows)].clone()
+
+    @torch.inference_mode()
+    def step(self, rows: list[int], cache_lens: list[int], ids: torch.Tensor, x: torch.Tensor):
+        """A draft step: ids [B] (target ids) and x [B, D] on the device -> (out [B, D], fp32 logits
+        [B, draft_vocab], argmax target ids [B]): static buffers, read them before the next replay."""
+        b = len(rows)
+        g = self._graph(b, 0)
+        g.fill(rows, cache_lens, [1] * b, None, self.kv.scratch_row)
+        g.ids[:b, 0].copy_(ids)
+        g.x[:b, 0].copy_(x)
+        g.graph.replay()
+        return g.out[:b], g.logits[:b], g.tok[:b]
