@@ -20,6 +20,8 @@ DEMO_DIR = Path(__file__).parent / "models" / "demo"
 ALIASES = {"demo-target": DEMO_DIR / "target", "demo-draft": DEMO_DIR / "draft",
            # the demo pair embedded in Llama-3.1-8B dimensions (cluster/engine/worker/embedded.py): 8B cost, demo acceptance
            "demo-8b-target": DEMO_DIR.parent / "demo-8b" / "target", "demo-8b-draft": DEMO_DIR.parent / "demo-8b" / "draft",
+           # the demo drafter in Llama-3.2-1B dimensions: a real 8B drafter's size, the demo drafter's tokens
+           "demo-8b-draft-1b": DEMO_DIR.parent / "demo-8b" / "draft-1b",
            # the demo target's EAGLE-3 head in an 8B head's shape, over demo-8b-target (models.eagle3)
            "demo-8b-eagle3": DEMO_DIR.parent / "demo-8b" / "eagle3",
            # the demo target in Llama-3.1-70B dimensions, for tensor-parallel runs (draft: demo-8b-draft)

@@ -6,13 +6,14 @@ colocated, bf16, the fused kernels and CUDA graphs.
     bash scripts/gpu_py.sh gpu_eagle3.py                      # device: $OUT/gpu_eagle3.json (+ .png here)
     PYTHONPATH=. python3 scripts/gpu_eagle3.py --cpu-smoke    # here: the demo pair, orchestration only
 
-For plain decoding, the draft model and the EAGLE-3 chain at each gamma in GAMMAS (default
-2,4,6): decode tokens/s of one stream, mean accepted length, speedup over plain and the ideal
+For plain decoding, the draft model (demo-8b-draft, 2 layers of 256: far smaller than a real 8B
+drafter), the same drafter at Llama-3.2-1B's size (demo-8b-draft-1b: its tokens, a 1B's step
+time) and the EAGLE-3 chain at each gamma in GAMMAS (default 2,4,6): decode tokens/s of one stream, mean accepted length, speedup over plain and the ideal
 E[N] * t_decode / (t_decode + t_draft_step) (gpu_bench.py's formula; t_draft_step timed around
 the drafter's propose calls in a short run of its own), and whether the greedy tokens equal plain's (else the
 target's top-2 margin at the first difference, cluster.bench.harness.agreement). Not here yet:
-EAGLE-3 trees (the paged Triton kernel has no tree masks: an SDPA engine of their own) and the
-head in a drafter replica (disaggregated).
+EAGLE-3 trees (the paged Triton kernel has no tree masks: an SDPA engine of their own). The
+head in a drafter replica: scripts/gpu_eagle3_served.py.
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def run(engine, a, R: dict) -> None:
     engine.kv.close(h)
     R["plain"] = {**drop_ids(plain), "decode_ms": 1e3 * t_dec}
     log("plain:", R["plain"])
-    for name in ("model", "eagle3"):
+    for name in ("model", "model-1b", "eagle3"):
+        if name not in engine.drafters:
+            continue
         out = R.setdefault("by_drafter", {}).setdefault(name, {})
         for g in a.gammas:
             decode_rate(engine, one, SpecParams("fixed", g), name, new=a.warm)
@@ -73,8 +76,11 @@ def run(engine, a, R: dict) -> None:
         best = max(out, key=lambda g: out[g]["tokens_per_s"])
         R.setdefault("best", {})[name] = {"gamma": best, **out[best]}
     R["eagle3_over_draft_model"] = R["best"]["eagle3"]["tokens_per_s"] / R["best"]["model"]["tokens_per_s"]
+    if "model-1b" in R["best"]:
+        R["eagle3_over_draft_model_1b"] = R["best"]["eagle3"]["tokens_per_s"] / R["best"]["model-1b"]["tokens_per_s"]
     log("best:", {k: (v["gamma"], round(v["speedup"], 2)) for k, v in R["best"].items()},
-        "EAGLE-3 / draft model:", round(R["eagle3_over_draft_model"], 3))
+        "EAGLE-3 / draft model:", round(R["eagle3_over_draft_model"], 3),
+        "EAGLE-3 / 1B-size draft model:", round(R.get("eagle3_over_draft_model_1b", 0), 3))
 
 
 def plot(R: dict, png: str) -> None:
@@ -85,7 +91,10 @@ def plot(R: dict, png: str) -> None:
     except ImportError:  # the GPU image has no matplotlib: redraw here with --replot
         return
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for name, label in (("model", "draft model"), ("eagle3", "EAGLE-3 chain")):
+    for name, label in (("model", "draft model (demo size)"), ("model-1b", "draft model (Llama-3.2-1B size)"),
+                        ("eagle3", "EAGLE-3 chain")):
+        if name not in R["by_drafter"]:
+            continue
         pts = R["by_drafter"][name]
         gs = sorted(pts, key=int)
         ax.plot([int(g) for g in gs], [pts[g]["speedup"] for g in gs], "o-", label=label)
@@ -126,6 +135,15 @@ def main(argv=None) -> int:
     t = time.time()
     engine = build_engine(cfg)
     R["start_s"], R["startup"] = time.time() - t, engine.startup
+    if not cpu:  # the demo drafter at a real 8B drafter's size (Llama-3.2-1B): its tokens, a 1B's step time
+        from cluster.config import resolve_model_path
+        from cluster.engine.drafters.model import ModelDrafter
+        from cluster.engine.worker.loader import load_model
+
+        d = engine.drafters["model-1b"] = ModelDrafter(load_model(resolve_model_path("demo-8b-draft-1b"), torch.bfloat16,
+                                                                  "cuda"), 16, 2048)
+        d.warm_up()
+        R["models"]["draft_1b"] = "demo-8b-draft-1b"
     R["head"] = {k: v for k, v in vars(engine.drafters["eagle3"].head.cfg).items() if k != "aux_layers"}
     R["head"]["aux_layers"] = list(engine.drafters["eagle3"].head.cfg.aux_layers)
     log("engine up:", R["start_s"], "head:", R["head"])

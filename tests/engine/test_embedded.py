@@ -141,3 +141,27 @@ def test_each_rank_builds_its_slice_of_the_embedded_model(demo_pair, size):
         for name, get in ends.items():
             t = get(full)
             assert torch.equal(get(part), take(t, list(t.shape), weight_slice(name, b, rank, size))), (rank, name)
+
+
+def test_demo_8b_draft_1b_is_the_demo_drafter_in_llama_1b_dimensions(demo_pair):
+    """demo-8b-draft-1b: the demo drafter in Llama-3.2-1B's shape (32 q heads over 8 KV heads of
+    64 dims, 16 layers, the 128k vocabulary), read through its embed.json; built with fewer
+    layers and a narrower stream here, it keeps the demo drafter's logits."""
+    import json
+    from pathlib import Path
+
+    from cluster.config import resolve_model_path
+    from cluster.engine.worker.embedded import SHAPES
+
+    path = Path(resolve_model_path("demo-8b-draft-1b"))
+    spec = json.loads((path / "embed.json").read_text())
+    assert (path / spec["source"]).resolve() == Path(demo_pair[1]).resolve()
+    big = SHAPES[spec["shape"]]()
+    assert (big["hidden_size"], big["num_hidden_layers"], big["num_attention_heads"], big["num_key_value_heads"],
+            big["head_dim"], big["intermediate_size"], big["vocab_size"]) == (2048, 16, 32, 8, 64, 8192, 128256)
+    small = load_model(demo_pair[1], torch.float32, "cpu")
+    reduced = embed_llama(small, {**big, "hidden_size": 256, "num_hidden_layers": 3, "intermediate_size": 512},
+                          "cpu", torch.float32, seed=1)
+    a, b = _logits(small, PROMPT), _logits(reduced, PROMPT)
+    assert torch.allclose(a, b[:, :4096], atol=1e-4)
+    assert b[:, 4096:].max() < a.min() - 100

@@ -255,8 +255,13 @@ LLAMA_8B_DRAFT = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=
 LLAMA_70B = {**LLAMA_8B, "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
              "intermediate_size": 28672}
 
+# Llama-3.2-1B: the draft model a Llama-3.1-8B target is served with (the same vocabulary and
+# rotary). demo-8b-draft-1b is the demo drafter at this size: its tokens, a real drafter's step time.
+LLAMA_1B = {**LLAMA_8B, "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 8192}
+
 SHAPES = {"llama-3.1-8b": lambda: _llama_8b(), "llama-3.1-8b-draft": lambda: {**_llama_8b(), **LLAMA_8B_DRAFT},
-          "llama-3.1-70b": lambda: dict(LLAMA_70B)}
+          "llama-3.2-1b": lambda: dict(LLAMA_1B), "llama-3.1-70b": lambda: dict(LLAMA_70B)}
 
 
 def _llama_8b() -> dict:
