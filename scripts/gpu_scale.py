@@ -16,6 +16,8 @@ PARTS (comma-separated, default all):
   request of a 32,000-token prompt.
 - MIXED_PREFILL=1 runs everything with engine.mixed_prefill (prefill chunks in the verify
   steps' pass); compare its sweep with a run without it on the same warm machine.
+- RAGGED=inf runs prefill passes of unequal prompt chunks padded to the widest, as before
+  segments (cluster.engine.worker.runner.RAGGED): a same-machine before/after.
 - prefix: a shared 2k-token prompt: TTFT of requests whose prefix is cached against requests
   with a fresh prefix, one at a time.
 """
@@ -211,6 +213,10 @@ def main() -> int:
                        mixed_prefill=os.environ.get("MIXED_PREFILL") == "1",
                        compile_cache_dir=COMPILE_CACHE)
     R["kv_cache_dtype"], R["mixed_prefill"] = cfg.kv_cache_dtype, cfg.mixed_prefill
+    from cluster.engine.worker import runner
+
+    runner.RAGGED = float(os.environ.get("RAGGED", runner.RAGGED))
+    R["ragged"] = runner.RAGGED if runner.RAGGED != float("inf") else "off"
     drafter = ModelDrafter(draft, 2 * cfg.max_num_seqs, 2048)  # longer rows decode without drafts
     tok = AutoTokenizer.from_pretrained(DEMO / "target")
     t = time.time()

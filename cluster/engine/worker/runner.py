@@ -15,6 +15,19 @@ from cluster.engine.worker.model import CausalLM
 from cluster.engine.worker.tree import tree_layout
 
 
+# A prefill pass of at least RAGGED_TOKENS real tokens whose rows padded to the widest would
+# compute RAGGED times them or more runs as segments of similar widths instead, eagerly
+# (Runner._forward_ragged): at that size its GPU work hides the host's launches, which a CUDA
+# graph exists to save, and a graph pads its rows too (to the batch's bucket as well).
+RAGGED, RAGGED_TOKENS = 1.25, 512
+
+
+def ragged(q_lens: list[int]) -> bool:
+    """Prompt chunks (wider than a verify row) worth running as segments (RAGGED)."""
+    n = sum(q_lens)
+    return max(q_lens) > 16 and n >= RAGGED_TOKENS and len(q_lens) * max(q_lens) > RAGGED * n
+
+
 class Runner:
     can_mix = True  # forward_mixed: a verify and a prefill segment in one pass
 
@@ -67,6 +80,8 @@ class Runner:
         q_lens = [len(t) for t in tokens]
         tree = trees is not None and any(t is not None for t in trees)
         self.kv.sync()
+        if last_only and not tree and num_layers is None and ragged(q_lens):
+            return self._forward_ragged(rows, cache_lens, tokens, hidden, aux)
         if self.graphs is not None and not tree and self.graphs.eligible(len(tokens), max(q_lens), last_only):
             logits, h, a = self.graphs.forward(rows, cache_lens, tokens, num_layers)
             if last_only:
@@ -95,6 +110,48 @@ class Runner:
             h = h[torch.arange(ids.shape[0], device=self.device), ctx.q_lens - 1]
         logits = self.model.logits(h)
         return (logits, h, a) if aux else (logits, h) if hidden else logits
+
+    def _forward_ragged(self, rows, cache_lens, tokens, hidden: bool, aux: bool):
+        """forward(last_only=True) over prompt chunks of unequal widths, as segments of similar
+        widths (a row joins one while it is at most 1.5x the segment's narrowest): projections
+        and MLP run over the real tokens only, attention per segment. A 128-token chunk beside
+        512-token ones padded to 512 did 4x its work in every matmul."""
+        order = sorted(range(len(tokens)), key=lambda b: len(tokens[b]))
+        groups: list[list[int]] = []
+        for b in order:
+            if not groups or len(tokens[b]) > 1.5 * len(tokens[groups[-1][0]]):
+                groups.append([])
+            groups[-1].append(b)
+        segs, ids, start = [], [], 0
+        for g in groups:
+            q_lens = [len(tokens[b]) for b in g]
+            ctx = AttnContext.build(self.kv, [rows[b] for b in g], [cache_lens[b] for b in g], q_lens, self.device)
+            ctx.splits = self._splits(len(g), ctx.width, ctx.max_kv)
+            assert ctx.max_kv <= self.kv.max_tokens, "past the block table's width"
+            segs.append(Segment(ctx, start, start + sum(q_lens)))
+            start += sum(q_lens)
+            for b in g:
+                ids += tokens[b]
+        positions = torch.cat([seg.unpad(seg.ctx.positions) for seg in segs])
+        taken: list = []
+        h = self.model.forward_segments(torch.tensor(ids, dtype=torch.int64).to(self.device), positions, self.kv,
+                                        segs, aux=taken if aux else None)
+        # each row's last token, back in the caller's order
+        ends = torch.cat([seg.start + torch.cumsum(seg.ctx.q_lens, 0) - 1 for seg in segs])
+        back = torch.empty(len(order), dtype=torch.int64)
+        back[torch.tensor([b for g in groups for b in g])] = torch.arange(len(order))
+        h_last = h[ends[back.to(self.device)]]
+        logits = self.model.logits(h_last)
+        if not aux:
+            return (logits, h_last) if hidden else logits
+        a = None
+        if taken:  # [B, T, A] at every (padded) position, as forward gives it
+            width = max(map(len, tokens))
+            a = taken[0].new_zeros((len(tokens), width, taken[0].shape[-1]))
+            for g, seg in zip(groups, segs):
+                part = seg.pad(taken[0])
+                a[torch.tensor(g, device=self.device), : part.shape[1]] = part
+        return logits, h_last, a
 
     @torch.inference_mode()
     def forward_mixed(self, verify: tuple, prefill: tuple, trees: list[list[int] | None] | None = None):
@@ -173,6 +230,8 @@ class Runner:
                 for t in (1, 2):
                     for last_only in (True, False):
                         self.forward([scratch] * b, [0] * b, [[0] * t] * b, last_only=last_only)
+            if self.kv.max_tokens >= 2 * RAGGED_TOKENS:  # a ragged prefill: pieces over [N, hidden]
+                self.forward([scratch] * 2, [0, 0], [[0] * (RAGGED_TOKENS - 112), [0] * 112], last_only=True)
             if mixed:
                 self.forward_mixed(([scratch], [0], [[0, 0]]), ([scratch] * 2, [0, 0], [[0] * 3, [0]]))
         finally:
