@@ -8,6 +8,9 @@
 3. the CUDA-graph decode step as the engine runs it.
 2 and 3 for each batch size in ROWS (default 1; ROWS=1,64,256 for the engine under load), each
 row at 512 tokens of context.
+4. PREFILL=1: prefill passes of 4 prompt chunks (512 tokens each, or three of 512 and one of
+   128) after 0 and 512 cached tokens: kernels, eager and graph time, and the FLOPs bound.
+   PARTS=prefill runs 4 alone (no GEMV tables, no decode steps).
 """
 
 from __future__ import annotations
@@ -124,14 +127,58 @@ def kernel_breakdown(engine, n: int = 1, ctx: int = 512) -> dict:
             "top": rows[:40], "graph_step_ms": 1e3 * t_graph}
 
 
+def prefill_breakdown(engine, widths: list[int], cached: int) -> dict:
+    """One prefill pass of rows of `widths` new tokens after `cached` tokens each: its kernels
+    (eager, grouped by name), the eager pass's time from the host (CUDA events around the
+    call, so host gaps count) and the CUDA-graph replay's where a graph serves it."""
+    run = engine.runner
+    handles = [engine.kv.open() for _ in widths]
+    for h in handles:
+        engine.kv.grow(h, cached + max(widths) + 1)
+    rows = [h.row for h in handles]
+    if cached:
+        run.forward(rows, [0] * len(rows), [list(range(1, cached + 1))] * len(rows), last_only=True)
+    tokens = [list(range(7, 7 + w)) for w in widths]
+    step = lambda: run.forward(rows, [cached] * len(rows), tokens, last_only=True)  # noqa: E731
+    graphs, run.graphs = run.graphs, None
+    t_eager = cuda_time(step, 10)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    run.graphs = graphs
+    groups = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            g = groups[e.name[:90]]
+            g[0] += 1
+            g[1] += e.device_time
+    top = sorted(({"kernel": k, "count": c, "us": t} for k, (c, t) in groups.items()), key=lambda r: -r["us"])
+    eligible = graphs is not None and graphs.eligible(len(widths), max(widths), True)
+    t_graph = cuda_time(step, 10) if eligible else None
+    for h in handles:
+        engine.kv.close(h)
+    m = engine.model
+    flops = 2 * (sum(p.numel() for p in m.parameters()) - m.embed_tokens.weight.numel()) * sum(widths)  # matmuls
+    out = {"widths": widths, "cached": cached, "eager_ms": 1e3 * t_eager, "kernels_us_total": sum(r["us"] for r in top),
+           "kernel_count": sum(r["count"] for r in top), "graph_ms": None if t_graph is None else 1e3 * t_graph,
+           "param_flops_tflop": flops / 1e12, "top": top[:25]}
+    print(f"prefill {widths} after {cached}: eager {out['eager_ms']:.1f} ms, kernels {out['kernels_us_total'] / 1e3:.1f} ms,"
+          f" graph {out['graph_ms']}", flush=True)
+    for r in top[:12]:
+        print(f"{r['us']:9.1f} us {r['count']:5d}x  {r['kernel']}", flush=True)
+    return out
+
+
 def main():
     bw = copy_bandwidth()
     R = {"device": torch.cuda.get_device_name(), "copy_bandwidth_TBps": bw / 1e12}
-    R["gemv_max_rel_err"] = gemv_correct()
-    R["gemv"] = gemv_table(bw)
+    only_prefill = os.environ.get("PARTS") == "prefill"
+    if not only_prefill:
+        R["gemv_max_rel_err"] = gemv_correct()
+        R["gemv"] = gemv_table(bw)
     model = random_llama()
-    sizes = [int(x) for x in os.environ.get("ROWS", "1").split(",")]  # e.g. ROWS=1,64,256
-    cfg = EngineConfig(max_num_seqs=max(8, *sizes), max_model_len=1024, max_batch_tokens=4096, prefill_chunk=512,
+    sizes = [] if only_prefill else [int(x) for x in os.environ.get("ROWS", "1").split(",")]  # e.g. ROWS=1,64,256
+    cfg = EngineConfig(max_num_seqs=max([8, *sizes]), max_model_len=2048, max_batch_tokens=2048, prefill_chunk=512,
                        gamma=4, gamma_max=8, device="cuda", dtype="bfloat16",
                        compile=os.environ.get("COMPILE", "1") == "1")
     engine = Engine(model, NullTokenizer(), cfg, identity="llama8b-random")
@@ -139,6 +186,8 @@ def main():
         b = R["breakdown" if n == 1 else f"breakdown_{n}"] = kernel_breakdown(engine, n)
         print(n, "rows: graph step ms", b["graph_step_ms"], "kernels", b["kernel_count"], "kernel us",
               b["kernels_us_total"], flush=True)
+    if only_prefill or os.environ.get("PREFILL") == "1":
+        R["prefill"] = [prefill_breakdown(engine, w, c) for c in (0, 512) for w in ([512] * 4, [512] * 3 + [128])]
     with open(os.path.join(OUT, "gpu_profile.json"), "w") as f:
         json.dump(R, f, indent=2)
 
