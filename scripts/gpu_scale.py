@@ -64,11 +64,14 @@ def time_replays(engine) -> None:
         return out
 
     torch.cuda.CUDAGraph.replay = lambda self: bracket(KINDS.get(id(self), "draft"), replay, self)
+    from cluster.engine.worker.runner import ragged  # such passes run as segments, eagerly
+
     forward = engine.runner.forward
 
     def timed_forward(rows, cache_lens, tokens, last_only, *args, trees=None, **kw):
-        served = trees is None or all(t is None for t in trees)
-        if served and g.eligible(len(tokens), max(map(len, tokens)), last_only):
+        q_lens = [len(t) for t in tokens]
+        served = (trees is None or all(t is None for t in trees)) and not (last_only and ragged(q_lens))
+        if served and g.eligible(len(tokens), max(q_lens), last_only):
             return forward(rows, cache_lens, tokens, last_only, *args, trees=trees, **kw)
         return bracket("eager", forward, rows, cache_lens, tokens, last_only, *args, trees=trees, **kw)
 

@@ -121,3 +121,21 @@ def test_model_drafter_and_eagle3_steps_replay_graphs(engines):
     assert sum(p.graph.replays for p in head.catch_ups.values()) > before + 10  # after each verify step
     graphs.generate(PROMPTS[:1], GREEDY, SpecParams("fixed", 2), "early-exit")  # not left to another test
     assert any(layers == 1 for (_, _, layers) in graphs.runner.graphs.graphs)  # early exit's first layer
+
+
+def test_eagle3_catch_up_past_its_graph_rows_runs_eagerly(engines, monkeypatch):
+    """Batches wider than CATCH_UP_ROWS catch up in an eager pass (no graph captured for them
+    at start); draft steps still replay graphs; the tokens are the eager engine's."""
+    from cluster.engine.drafters import eagle3_graphs
+
+    eager, graphs = engines
+    head = graphs.drafters["eagle3"].graphs
+    monkeypatch.setattr(eagle3_graphs, "CATCH_UP_ROWS", 2)
+    assert not head.fits(4, 3) and head.fits(2, 3) and head.fits(8)
+    keys, steps = set(head.catch_ups), sum(p.graph.replays for p in head.steps.values())
+    spec = SpecParams("fixed", 3)
+    want = eager.generate(PROMPTS, GREEDY, spec, "eagle3")
+    got = graphs.generate(PROMPTS, GREEDY, spec, "eagle3")
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
+    assert set(head.catch_ups) == keys  # nothing captured while serving
+    assert sum(p.graph.replays for p in head.steps.values()) > steps

@@ -212,7 +212,7 @@ class Eagle3Drafter(Drafter):
     def _step(self, sts: list[_State], cache_lens: list[int], tok: torch.Tensor, out: torch.Tensor):
         """One draft step of every row: its draft token [B] and the head's output before it [B, D]
         -> (the head's output [B, D], fp32 draft logits [B, draft_vocab], their argmax in target ids [B])."""
-        if self.graphs is not None and self.graphs.fits(len(sts), 1):
+        if self.graphs is not None and self.graphs.fits(len(sts)):
             self.kv.sync()
             return self.graphs.step([st.handle.row for st in sts], cache_lens, tok, out)
         new = self._pass(sts, cache_lens, tok[:, None], out[:, None], [1] * len(sts))[:, 0]

@@ -26,6 +26,10 @@ import torch
 from cluster.engine.worker.attention import AttnContext
 from cluster.engine.worker.graphs import BUCKETS, bucket
 
+# Catch-up graphs for batches up to this many rows: past it the eager pass's launches are shared
+# by many rows, and every (bucket, width) captured adds to the start (~0.2 s each, 8B shape)
+CATCH_UP_ROWS = 64
+
 
 class _Pass:
     def __init__(self, owner: "HeadGraphs", batch: int, width: int):
@@ -118,11 +122,14 @@ class HeadGraphs:
     def capture_all(self, max_batch: int) -> None:
         """Every bucket's draft step and catch-up widths, before serving (a capture costs a step's worth many times)."""
         for bk in BUCKETS[:BUCKETS.index(bucket(min(max_batch, self.max_batch))) + 1]:
-            for width in range(self.max_width + 1):
+            for width in range(self.max_width + 1 if bk <= CATCH_UP_ROWS else 1):
                 self._graph(bk, width)
 
-    def fits(self, batch: int, width: int) -> bool:
-        return batch <= self.max_batch and width <= self.max_width
+    def fits(self, batch: int, catch_up_width: int = 0) -> bool:
+        """A graph serves a draft step of `batch` rows, or a catch-up pass of that many rows this wide."""
+        if catch_up_width:
+            return batch <= min(self.max_batch, CATCH_UP_ROWS) and catch_up_width <= self.max_width
+        return batch <= self.max_batch
 
     @torch.inference_mode()
     def catch_up(self, rows: list[int], cache_lens: list[int], ids: list[list[int]], aux: list[torch.Tensor]) -> torch.Tensor:
