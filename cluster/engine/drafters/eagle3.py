@@ -180,11 +180,10 @@ class Eagle3Drafter(Drafter):
         ids = [reqs[i].token_ids[feed[i].start + 1: feed[i].stop + 1] for i in idx]
         aux = [reqs[i].aux[feed[i].start - reqs[i].aux_start: feed[i].stop - reqs[i].aux_start].to(self.device)
                for i in idx]
+        self.kv.sync()
         if self.graphs is not None and self.graphs.fits(len(idx), max(map(len, ids))):
-            self.kv.sync()
             last = self.graphs.catch_up([st.handle.row for st in sts], lens, ids, aux)
         else:
-            self.kv.sync()
             width = max(map(len, ids))
             x = torch.zeros((len(idx), width, self.head.cfg.hidden), dtype=self.dtype, device=self.device)
             pad = torch.zeros((len(idx), width), dtype=torch.int64)
