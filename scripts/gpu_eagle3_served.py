@@ -1,7 +1,9 @@
 """EAGLE-3 served, colocated against disaggregated (issue 40): `spec-cluster up` with the 8B-shape
 demo target and its EAGLE-3 head (demo-8b-eagle3), once with the head in the verifier's process
 and once in a drafter replica of its own, through the real gRPC endpoint: batch-1 tokens/s at
-fixed gamma and plain, 128 new tokens a request.
+fixed gamma and plain, 128 new tokens a request; where a
+greedy request's tokens at gamma part from plain's, the target's margin there (an in-process
+eager pass once the served instances are down).
 
     BUNDLE=.device-bundle-multi bash scripts/gpu_py.sh gpu_eagle3_served.py      # one GPU: both replicas on it
     GPUS=2 BUNDLE=.device-bundle-multi bash scripts/gpu_py.sh gpu_eagle3_served.py   # nvidia-h100-x2: a GPU each
@@ -51,6 +53,32 @@ def config(a, placement: str) -> dict:
     return cfg
 
 
+def margins(R: dict, prompts: list[str], a) -> None:
+    """Where a placement's greedy tokens at gamma part from its plain ones: the target's margin
+    there, from an eager pass of an engine built in this process from the same config once the
+    served ones are down (cluster.bench.harness.agreement: a near-tie flips by rounding, a wide
+    gap would be a wrong token)."""
+    g = f"gamma{a.gamma}"
+    differ = {k: [j for j, (x, y) in enumerate(zip(v[g]["token_ids"], v["plain"]["token_ids"])) if x != y]
+              for k, v in R["placements"].items()}
+    if not any(differ.values()):
+        return
+    from cluster.bench.harness import agreement
+    from cluster.config import parse_config
+    from cluster.serve.build import build_engine
+
+    cfg = parse_config({**R["placements"]["colocated"]["config"], "placement": "colocated"})
+    engine = build_engine(cfg)
+    try:
+        for k, rows in differ.items():
+            v = R["placements"][k]
+            v["agreement"] = {j: agreement(engine, engine.tokenizer.encode(prompts[j]), v[g]["token_ids"][j],
+                                           v["plain"]["token_ids"][j]) for j in rows}
+            log(k, "where gamma's tokens part from plain's:", v["agreement"])
+    finally:
+        engine.close()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--gamma", type=int, default=int(os.environ.get("GAMMA", "4")))
@@ -88,6 +116,7 @@ def main() -> int:
                 log(placement, spec, {k: v for k, v in P["plain" if spec == "off" else f"gamma{spec}"].items()
                                       if k != "token_ids"})
         out.write_text(json.dumps(R, indent=1) + "\n")
+    margins(R, prompts[1:], a)
     c, d = R["placements"]["colocated"], R["placements"]["disaggregated"]
     g = f"gamma{a.gamma}"
     R["disaggregated_over_colocated"] = d[g]["tokens_per_s"] / c[g]["tokens_per_s"]
