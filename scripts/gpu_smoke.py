@@ -181,6 +181,23 @@ def part_8b() -> None:
         return staggered_run(e, prompts, [16 + 8 * (i % 4) for i in range(24)], 8)
 
     check("plain_arrivals_launch_ahead", arrivals)
+
+    def ragged():
+        """Prompt chunks of unequal widths in one prefill pass: run as segments (Runner._forward_ragged)."""
+        from cluster.bench.workloads import code_prompts
+
+        texts = code_prompts(5, chars=4000, seed=7)
+        prompts = [e.tokenizer.encode(t)[:n] for t, n in zip(texts, (700, 130, 520, 90, 300))]
+        calls, seg = [], e.runner._forward_ragged
+        e.runner._forward_ragged = lambda *a: calls.append(1) or seg(*a)
+        try:
+            d = greedy_run(e, prompts, SpecParams("off"), params=SamplingParams(max_tokens=16, ignore_eos=True))
+        finally:
+            del e.runner._forward_ragged
+        need(bool(calls), "no prefill pass ran as segments")
+        return {**d, "segmented_passes": len(calls)}
+
+    check("ragged_prefill", ragged)
     for name, drafter, g in (("draft_model", "model", 4), ("ngram", "ngram", 4), ("early_exit", "early-exit", 3)):
         check(name, lambda d=drafter, g=g: greedy_run(e, PROMPTS, SpecParams("fixed", g), d))
 
