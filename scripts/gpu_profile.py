@@ -88,6 +88,17 @@ def gemv_table(bw: float) -> dict:
     return out
 
 
+def kernel_table(prof) -> list[dict]:
+    """A profile's CUDA kernels grouped by name, the costliest first."""
+    groups = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            g = groups[e.name[:90]]
+            g[0] += 1
+            g[1] += e.device_time
+    return sorted(({"kernel": k, "count": c, "us": t} for k, (c, t) in groups.items()), key=lambda r: -r["us"])
+
+
 def kernel_breakdown(engine, n: int = 1, ctx: int = 512) -> dict:
     """One decode step of `n` rows at `ctx` tokens of context each: its kernels, eager (the
     profiler sees each one), grouped by name; then the same step as the CUDA-graph replay the
@@ -109,13 +120,7 @@ def kernel_breakdown(engine, n: int = 1, ctx: int = 512) -> dict:
         step()
         torch.cuda.synchronize()
     run.graphs = graphs
-    groups = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            g = groups[e.name[:90]]
-            g[0] += 1
-            g[1] += e.device_time
-    rows = sorted(({"kernel": k, "count": c, "us": t} for k, (c, t) in groups.items()), key=lambda r: -r["us"])
+    rows = kernel_table(prof)
     total = sum(r["us"] for r in rows)
     print(f"decode step of {n} rows at {ctx} tokens:", flush=True)
     for r in rows[:25]:
@@ -146,13 +151,7 @@ def prefill_breakdown(engine, widths: list[int], cached: int) -> dict:
         step()
         torch.cuda.synchronize()
     run.graphs = graphs
-    groups = defaultdict(lambda: [0, 0.0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            g = groups[e.name[:90]]
-            g[0] += 1
-            g[1] += e.device_time
-    top = sorted(({"kernel": k, "count": c, "us": t} for k, (c, t) in groups.items()), key=lambda r: -r["us"])
+    top = kernel_table(prof)
     eligible = graphs is not None and graphs.eligible(len(widths), max(widths), True)
     t_graph = cuda_time(step, 10) if eligible else None
     for h in handles:
