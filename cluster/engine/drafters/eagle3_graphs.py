@@ -12,9 +12,10 @@ every step replay graphs:
 
 Each (batch bucket, width) is captured once and replayed with the rows' table indices,
 lengths and real widths copied into its static buffers (one copy from pinned memory, as
-cluster.engine.worker.graphs does); padding rows use the KV cache's scratch row. Rows shorter
-than the width write no keys past their real tokens (the attention backends write q_lens
-tokens a row). Logits and aux inputs live in one buffer each, shared by every graph: one
+cluster.engine.worker.graphs does); padding rows use the KV cache's scratch row. Of a row
+shorter than the width, the triton kernel writes only its real tokens' keys; a backend that
+writes the padded ones puts them past the row's tokens (or in the scratch block), where
+nothing reads them before a later pass overwrites them. Logits and aux inputs live in one buffer each, shared by every graph: one
 replays at a time and its caller reads its outputs before the next. Capture and replay go
 through cluster.engine.worker.capture (CUDA graphs, or the CPU tests' eager stand-in).
 """

@@ -122,36 +122,46 @@ class Runner:
             if not groups or len(tokens[b]) > 1.5 * len(tokens[groups[-1][0]]):
                 groups.append([])
             groups[-1].append(b)
-        segs, ids, start = [], [], 0
-        for g in groups:
-            q_lens = [len(tokens[b]) for b in g]
-            ctx = AttnContext.build(self.kv, [rows[b] for b in g], [cache_lens[b] for b in g], q_lens, self.device)
-            ctx.splits = self._splits(len(g), ctx.width, ctx.max_kv)
-            assert ctx.max_kv <= self.kv.max_tokens, "past the block table's width"
-            segs.append(Segment(ctx, start, start + sum(q_lens)))
-            start += sum(q_lens)
-            for b in g:
-                ids += tokens[b]
-        positions = torch.cat([seg.unpad(seg.ctx.positions) for seg in segs])
-        taken: list = []
-        h = self.model.forward_segments(torch.tensor(ids, dtype=torch.int64).to(self.device), positions, self.kv,
-                                        segs, aux=taken if aux else None)
+        segs, h, a_flat = self._segmented([([rows[b] for b in g], [cache_lens[b] for b in g], [tokens[b] for b in g],
+                                             None) for g in groups], aux)
         # each row's last token, back in the caller's order
         ends = torch.cat([seg.start + torch.cumsum(seg.ctx.q_lens, 0) - 1 for seg in segs])
         back = torch.empty(len(order), dtype=torch.int64)
-        back[torch.tensor([b for g in groups for b in g])] = torch.arange(len(order))
+        back[torch.tensor(order)] = torch.arange(len(order))  # the groups hold `order` in turn
         h_last = h[ends[back.to(self.device)]]
         logits = self.model.logits(h_last)
         if not aux:
             return (logits, h_last) if hidden else logits
         a = None
-        if taken:  # [B, T, A] at every (padded) position, as forward gives it
-            width = max(map(len, tokens))
-            a = taken[0].new_zeros((len(tokens), width, taken[0].shape[-1]))
+        if a_flat is not None:  # [B, T, A] at every (padded) position, as forward gives it
+            a = a_flat.new_zeros((len(tokens), max(map(len, tokens)), a_flat.shape[-1]))
             for g, seg in zip(groups, segs):
-                part = seg.pad(taken[0])
+                part = seg.pad(a_flat)
                 a[torch.tensor(g, device=self.device), : part.shape[1]] = part
         return logits, h_last, a
+
+    def _segmented(self, parts: list[tuple], aux: bool):
+        """One eager pass over segments (rows, cache_lens, tokens, trees | None), each padded only
+        to its own width (cluster.engine.worker.model.forward_segments): (the segments, hidden
+        [N, D] of their real tokens back to back, aux [N, A] | None)."""
+        segs, ids, start = [], [], 0
+        for rows, cache_lens, tokens, trees in parts:
+            q_lens = [len(t) for t in tokens]
+            ctx = AttnContext.build(self.kv, rows, cache_lens, q_lens, self.device)
+            ctx.splits = self._splits(len(rows), ctx.width, ctx.max_kv)
+            if trees is not None and any(t is not None for t in trees):
+                depth, ctx.tree_mask = tree_layout(trees, ctx.width, self.device)
+                ctx.positions = ctx.cache_lens[:, None] + depth
+            assert ctx.max_kv <= self.kv.max_tokens, "past the block table's width"
+            segs.append(Segment(ctx, start, start + sum(q_lens)))
+            start += sum(q_lens)
+            for t in tokens:
+                ids += t
+        positions = torch.cat([seg.unpad(seg.ctx.positions) for seg in segs])
+        taken: list = []
+        h = self.model.forward_segments(torch.tensor(ids, dtype=torch.int64).to(self.device), positions, self.kv,
+                                        segs, aux=taken if aux else None)
+        return segs, h, (taken[0] if taken else None)
 
     @torch.inference_mode()
     def forward_mixed(self, verify: tuple, prefill: tuple, trees: list[list[int] | None] | None = None):
@@ -163,24 +173,7 @@ class Runner:
         gives them, and (logits [B2, V], hidden [B2, D]) at each chunk's last token with aux
         [B2, T2, A] | None at all its positions). No CUDA graph covers it."""
         self.kv.sync()
-        segs, ids, start = [], [], 0
-        for (rows, cache_lens, tokens), tr in ((verify, trees), (prefill, None)):
-            q_lens = [len(t) for t in tokens]
-            ctx = AttnContext.build(self.kv, rows, cache_lens, q_lens, self.device)
-            ctx.splits = self._splits(len(rows), ctx.width, ctx.max_kv)
-            if tr is not None and any(t is not None for t in tr):
-                depth, ctx.tree_mask = tree_layout(tr, ctx.width, self.device)
-                ctx.positions = ctx.cache_lens[:, None] + depth
-            assert ctx.max_kv <= self.kv.max_tokens, "past the block table's width"
-            segs.append(Segment(ctx, start, start + sum(q_lens)))
-            start += sum(q_lens)
-            for t in tokens:
-                ids += t
-        ids_t = torch.tensor(ids, dtype=torch.int64).to(self.device)
-        positions = torch.cat([seg.unpad(seg.ctx.positions) for seg in segs])
-        taken: list = []
-        h = self.model.forward_segments(ids_t, positions, self.kv, segs, aux=taken)
-        a = taken[0] if taken else None
+        segs, h, a = self._segmented([(*verify, trees), (*prefill, None)], aux=True)
         v, p = segs  # v starts at 0: its rows of the logits below are its own tokens' rows
         last = p.start + torch.cumsum(p.ctx.q_lens, 0) - 1
         logits = self.model.logits(torch.cat([h[v.start:v.stop], h[last]]))
