@@ -59,21 +59,20 @@ def continuations(model, prompts: list[list[int]], new: int, temperature: float,
     Returns hidden [N, new, D] at positions P-1 .. P+new-2 and tokens [N, new] at P .. P+new-1:
     hidden[:, i] is the state from which the target chose tokens[:, i]."""
     s = model.shape
-    gen = torch.Generator().manual_seed(seed)
+    dev = next(model.parameters()).device  # the model's device: the GPU where there is one
+    gen = torch.Generator(dev).manual_seed(seed)  # on the device: no host copy of each step's probabilities
     hs, ys = [], []
     bar = tqdm(total=len(prompts) * new, desc=desc, unit="tok", leave=False)
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
         P, B = len(chunk[0]), len(chunk)
-        p = next(model.parameters())  # the model's device: the GPU where there is one
-        kv = KVCache.dense(s.layers, B, P + new + 1, s.kv_heads, s.head_dim, p.dtype, p.device)
+        kv = KVCache.dense(s.layers, B, P + new + 1, s.kv_heads, s.head_dim, next(model.parameters()).dtype, dev)
         runner, rows = Runner(model, kv, "sdpa"), list(range(B))
         logits, h = runner.forward(rows, [0] * B, chunk, last_only=True, hidden=True)
         h_steps, y_steps = [], []
         for step in range(new):
             if temperature > 0:
-                probs = torch.softmax(logits / temperature, -1).cpu()  # the seeded generator is a CPU one
-                tok = torch.multinomial(probs, 1, generator=gen)[:, 0].to(logits.device)
+                tok = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
             else:
                 tok = logits.argmax(-1)
             h_steps.append(h)

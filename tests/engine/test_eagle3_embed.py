@@ -24,7 +24,7 @@ from cluster.engine.worker.loader import load_model, load_tokenizer
 BIG = dict(vocab_size=5000, hidden_size=512, num_hidden_layers=9, num_attention_heads=32,
            num_key_value_heads=8, head_dim=64, intermediate_size=1024, max_position_embeddings=2048)
 BIG_HEAD = dict(hidden_size=512, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
-                intermediate_size=1024, draft_vocab_size=3000)
+                intermediate_size=1024, draft_vocab_size=4500)  # above the head's 4,096
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, x):"]
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -43,7 +43,7 @@ def test_embedded_head_drafts_what_the_small_head_drafts(demo_pair):
                         target_vocab=small_t.shape.vocab_size)
     big_t = embed_llama(small_t, BIG, "cpu", torch.float32)
     big_h = embed_head(small_h, small_t.shape.layers, big_t.embed_tokens.weight, big_t.shape.layers, BIG_HEAD)
-    assert (big_h.cfg.hidden, big_h.cfg.heads, big_h.cfg.draft_vocab) == (512, 16, 3000)
+    assert (big_h.cfg.hidden, big_h.cfg.heads, big_h.cfg.draft_vocab) == (512, 16, 4500)
     assert big_h.cfg.aux_layers == (2, 5, 8)  # the demo's layers 1, 3, 5 sit at 2, 5, 8 of 9
     small, big = _run(small_t, small_h, tok), _run(big_t, big_h, tok)
     assert big[0] == small[0]

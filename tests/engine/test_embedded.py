@@ -143,6 +143,32 @@ def test_each_rank_builds_its_slice_of_the_embedded_model(demo_pair, size):
             assert torch.equal(get(part), take(t, list(t.shape), weight_slice(name, b, rank, size))), (rank, name)
 
 
+def test_fusing_frees_each_part_it_fuses(demo_pair):
+    """Fusing q/k/v and gate/up consumes the Hugging Face-named parts: each is freed once its
+    fused tensor exists, so a rank never holds its weights twice (the TP 2 70B shard, 66 GiB a
+    rank, ran out of an H100's memory while fusing when the parts stayed alive)."""
+    import weakref
+
+    from cluster.engine.worker.embedded import hf_layer_weights
+    from cluster.engine.worker.model import _fuse
+
+    small = load_model(demo_pair[0], torch.float32, "cpu")
+    s = small.shape
+    state = {f"model.layers.{i}.{n}": t.clone() for i, layer in enumerate(small.layers)
+             for n, t in hf_layer_weights(layer, s).items()}
+    state |= {"model.embed_tokens.weight": small.embed_tokens.weight.clone(),
+              "lm_head.weight": small.lm_head.weight.clone(), "model.norm.weight": small.norm.weight.clone()}
+    parts = [f"model.layers.{i}.{n}" for i in range(s.layers)
+             for n in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                       "mlp.gate_proj.weight", "mlp.up_proj.weight")]
+    alive = [weakref.ref(state[p]) for p in parts]
+    fused = _fuse(state, s)
+    assert not state and not any(r() is not None for r in alive)
+    for i, layer in enumerate(small.layers):
+        assert torch.equal(fused[f"layers.{i}.self_attn.qkv_proj.weight"], layer.self_attn.qkv_proj.weight)
+        assert torch.equal(fused[f"layers.{i}.mlp.gate_up_proj.weight"], layer.mlp.gate_up_proj.weight)
+
+
 def test_demo_8b_draft_1b_is_the_demo_drafter_in_llama_1b_dimensions(demo_pair):
     """demo-8b-draft-1b: the demo drafter in Llama-3.2-1B's shape (32 q heads over 8 KV heads of
     64 dims, 16 layers, the 128k vocabulary), read through its embed.json; built with fewer

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 from transformers import LlamaConfig
 
 from cluster.engine.worker.model import CausalLM, ModelShape, Rotary, load_hf_model
@@ -234,11 +235,12 @@ def embed_llama_shard(small: CausalLM, big: dict, device, dtype, seed: int, grou
     def keep(name: str, t: torch.Tensor) -> None:
         state[name] = take(t, list(t.shape), weight_slice(name, b, group.rank, group.size)).clone()
 
-    for i in range(b.layers):
-        for name, t in hf_layer_weights(_full_layer(pl, i, seed), b).items():
-            keep(f"model.layers.{i}.{name}", t)
+    # the full-size ends first (4.2 GB at 70B), while this rank holds no slices yet
     for name, t in zip(("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"), _full_ends(pl, seed)):
         keep(name, t)
+    for i in tqdm(range(b.layers), desc="building this rank's layers", unit="layer", disable=b.layers < 16):
+        for name, t in hf_layer_weights(_full_layer(pl, i, seed), b).items():
+            keep(f"model.layers.{i}.{name}", t)
     with torch.device("meta"):
         model = CausalLM(b, cfg, group)
     model.load_state_dict(_fuse(state, model.shape), strict=False, assign=True)
