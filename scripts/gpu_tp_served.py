@@ -7,12 +7,20 @@ at 1 and 32 streams (128 tokens each, the config's goodput controller).
         bash scripts/gpu_py.sh gpu_tp_served.py                               # an 8-GPU kind (issue 41)
     python3 scripts/gpu_tp_served.py --cpu-smoke --out /tmp/tps                 # here: orchestration only
 
+Issue 39's comparison, a drafter on its own GPU against the same drafter on rank 0, in one call
+(3 of a 4-GPU host: TP 2 on two, the drafter replica on a third), greedy tokens checked
+against plain on the same deployment:
+
+    TP=2 PLACEMENT=colocated,disaggregated DRAFT=demo-8b-draft-1b GAMMA=4 PLAIN=1 LEVELS=1,8 \
+        MAX_SEQS=16 MAX_LEN=2048 BUNDLE=.device-bundle-serve bash scripts/gpu_py.sh gpu_tp_served.py
+
 On the GPU the target is demo-70b-target (the demo target in Llama-3.1-70B dimensions) over TP
-ranks and demo-8b-draft drafts on rank 0's GPU (at TP 4 on a 4-GPU host no GPU is left for a
-drafter of its own); `PLACEMENT=disaggregated` puts it in a drafter replica on a GPU of its own
-(TP 4 + 1 GPU: issue 41's 8-GPU host). No Redis (kvdir off), no accelerator_type. `--cpu-smoke`: the demo pair,
-float32, TP 2 over gloo, 1 and 2 streams of 8 tokens: it checks the script, not a speed.
-Writes gpu_tp_served.json (or gpu_tp_served_cpu_smoke.json) under --out.
+ranks and DRAFT (default demo-8b-draft; demo-8b-draft-1b drafts the same tokens at a 1B's step
+time) drafts on rank 0's GPU (at TP 4 on a 4-GPU host no GPU is left for a drafter of its own);
+`PLACEMENT=disaggregated` puts it in a drafter replica on a GPU of its own; both, comma-separated,
+deploy one after the other and `own_over_colocated` gives the ratio per level. No Redis (kvdir
+off), no accelerator_type. `--cpu-smoke`: the demo pair, float32, TP 2 over gloo, 1 and 2 streams
+of 8 tokens: it checks the script, not a speed. Writes gpu_tp_served*.json under --out.
 """
 
 from __future__ import annotations
@@ -36,23 +44,38 @@ from cluster.bench.workloads import code_prompts  # noqa: E402
 from cluster.config import load_config  # noqa: E402
 
 
-def config(a) -> dict:
+def config(a, placement: str) -> dict:
     cfg = load_config(REPO / "configs/hopper-70b.yaml").model_dump(mode="json")
     gpu = not a.cpu_smoke
-    cfg["models"].update(target="demo-70b-target" if gpu else "demo-target", draft="demo-8b-draft" if gpu else "demo-draft",
+    cfg["models"].update(target="demo-70b-target" if gpu else "demo-target", draft=a.draft if gpu else "demo-draft",
                          device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "float32",
                          attention="auto" if gpu else "sdpa")
     cfg["engine"].update(tensor_parallel_size=a.tp, kv_cache_gb={2: 4, 4: 16}.get(a.tp, 32) if gpu else 0.25,
-                         max_num_seqs=64 if gpu else 8, max_model_len=4096 if gpu else 512, max_waiting=256)
-    cfg["placement"] = a.placement
+                         max_num_seqs=a.max_seqs, max_model_len=a.max_len, max_waiting=256)
+    cfg["placement"] = placement
     cfg["verifier"]["ray_actor_options"] = {"num_gpus": 1, "num_cpus": 4} if gpu else {"num_cpus": 1}
-    # disaggregated: the draft model in a drafter replica on a GPU of its own (issue 41's served
-    # part: TP 4 on GPUs 0-3 and the drafter on a fifth)
-    own_gpu = gpu and a.placement == "disaggregated"
+    # disaggregated: the draft model in a drafter replica on a GPU of its own (TP 2 on GPUs 0-1
+    # and the drafter on a third; issue 41's served part: TP 4 on GPUs 0-3 and the drafter on a fifth)
+    own_gpu = gpu and placement == "disaggregated"
     cfg["drafter"]["ray_actor_options"] = {"num_gpus": 1, "num_cpus": 2} if own_gpu else {"num_cpus": 1}
     cfg["kvdir"]["url"] = None
     cfg["router"]["failover_wait_s"] = 30.0
     return cfg
+
+
+def agreement(spec: list[dict], plain: list[dict]) -> dict:
+    """Greedy requests of the same prompts with and without speculation: how many gave plain's
+    tokens, and where each other one first parts from plain."""
+    base = {d["prompt_index"]: [int(t) for t in d.get("token_ids", [])] for d in plain}
+    same, first = 0, {}
+    for d in spec:
+        mine, theirs = [int(t) for t in d.get("token_ids", [])], base.get(d["prompt_index"], [])
+        if mine == theirs:
+            same += 1
+        else:
+            first[d["prompt_index"]] = next((i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y),
+                                            min(len(mine), len(theirs)))
+    return {"same_tokens_as_plain": same, "requests": len(spec), "first_difference": first}
 
 
 def openai_request(base: str, prompt: str, max_tokens: int) -> int:
@@ -68,48 +91,83 @@ def openai_request(base: str, prompt: str, max_tokens: int) -> int:
     return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0).usage.completion_tokens
 
 
+def measure(a, placement: str, levels: list[int], prompts: list[str], run: dict, write) -> None:
+    """One deployment, into `run`: a gRPC and an OpenAI request, then each level at the
+    speculation asked for (and plain on the same prompts with --plain)."""
+    run["config"] = config(a, placement)
+    with served(run["config"], echo=lambda line: print(line, flush=True), timeout_s=1800) as up:
+        run["ready_s"] = round(up.ready_s, 1)
+        log(placement, "ready in", run["ready_s"], "s")
+        from cluster.client import Client
+
+        with Client(up.grpc, timeout=600) as c:
+            r = c.generate("def fibonacci(n):", max_tokens=32)
+        run["grpc_request"] = {"tokens": len(r.token_ids), "finish_reason": r.finish_reason}
+        run["openai_request"] = {"tokens": openai_request(up.http, "import os", 16)}
+        log("gRPC:", run["grpc_request"], "OpenAI:", run["openai_request"])
+        write()
+        for c in levels:
+            run_grpc(up.grpc, None, prompts[:c], c, a.new, a.gamma)  # warm-up at this level
+            done, wall = run_grpc(up.grpc, None, prompts[:2 * c], c, a.new, a.gamma)
+            tokens = sum(len(d.get("token_ids", [])) for d in done)
+            drafted = sum(d["spec"]["drafted"] for d in done)
+            point = {"concurrency": c, "requests": len(done), "tokens": tokens, "wall_s": round(wall, 2),
+                     "tokens_per_s": round(tokens / wall, 1),
+                     "acceptance": round(sum(d["spec"]["accepted"] for d in done) / max(1, drafted), 3)}
+            if a.plain:
+                base, base_wall = run_grpc(up.grpc, None, prompts[:2 * c], c, a.new, "off")
+                point["plain_tokens_per_s"] = round(sum(len(d.get("token_ids", [])) for d in base) / base_wall, 1)
+                point.update(agreement(done, base))
+            run.setdefault("streams", []).append(point)
+            log(placement, "streams", point)
+            write()
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--tp", type=int, default=int(os.environ.get("TP", "4")))
     p.add_argument("--levels", default=os.environ.get("LEVELS", "1,32"))
     p.add_argument("--new", type=int, default=int(os.environ.get("NEW_TOKENS", "128")))
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--placement", choices=("colocated", "disaggregated"), default=os.environ.get("PLACEMENT", "colocated"),
-                   help="colocated: the draft model on rank 0's GPU; disaggregated: a drafter replica of its own")
+    p.add_argument("--placement", default=os.environ.get("PLACEMENT", "colocated"),
+                   help="colocated: the draft model on rank 0's GPU; disaggregated: a drafter replica of its own; "
+                        "both, comma-separated: one deployment after the other, compared per level")
+    p.add_argument("--draft", default=os.environ.get("DRAFT", "demo-8b-draft"),
+                   help="the draft model on the GPU: demo-8b-draft (tiny) or demo-8b-draft-1b (a 1B's step time)")
+    p.add_argument("--gamma", default=os.environ.get("GAMMA", "auto"), help="auto (the config's controller) or a fixed gamma")
+    p.add_argument("--plain", action="store_true", default=os.environ.get("PLAIN") == "1",
+                   help="also run each level's prompts without speculation: plain tokens/s and greedy equality")
+    p.add_argument("--max-seqs", type=int, default=int(os.environ.get("MAX_SEQS", "64")))
+    p.add_argument("--max-len", type=int, default=int(os.environ.get("MAX_LEN", "4096")))
     p.add_argument("--cpu-smoke", action="store_true")
     a = p.parse_args()
     if a.cpu_smoke:
-        a.tp, a.levels, a.new = 2, "1,2", 8
+        a.tp, a.levels, a.new, a.max_seqs, a.max_len = 2, "1,2", 8, 8, 512
+    a.gamma = int(a.gamma) if a.gamma.isdigit() else a.gamma
+    placements = a.placement.split(",")
+    for pl in placements:
+        if pl not in ("colocated", "disaggregated"):
+            p.error(f"--placement: {pl!r} is not colocated or disaggregated")
     levels = [int(x) for x in a.levels.split(",")]
-    name = "gpu_tp_served" + ("_drafter_replica" if a.placement == "disaggregated" else "") + ("_cpu_smoke" if a.cpu_smoke else "")
+    name = ("gpu_tp_served" + ("_drafter_replica" if placements == ["disaggregated"] else "")
+            + ("_placements" if len(placements) > 1 else "") + ("_cpu_smoke" if a.cpu_smoke else ""))
     R: dict = {"label": ("CPU smoke (orchestration, NOT a speed): " if a.cpu_smoke else "") + f"served TP {a.tp}",
-               "placement": a.placement,
-               "command": " ".join(["python3", "scripts/gpu_tp_served.py", *sys.argv[1:]]), "config": config(a)}
+               "command": " ".join(["python3", "scripts/gpu_tp_served.py", *sys.argv[1:]]),
+               "env": {k: os.environ[k] for k in ("TP", "LEVELS", "PLACEMENT", "DRAFT", "GAMMA", "PLAIN") if k in os.environ},
+               "draft": a.draft, "gamma": a.gamma, "runs": {}}
     out = Path(a.out, name + ".json")
 
     def write() -> None:
+        if {"colocated", "disaggregated"} <= R["runs"].keys():  # the drafter's own GPU against colocated
+            rate = {pl: {s["concurrency"]: s["tokens_per_s"] for s in R["runs"][pl].get("streams", [])} for pl in R["runs"]}
+            R["own_over_colocated"] = {c: round(v / rate["colocated"][c], 3)
+                                       for c, v in rate["disaggregated"].items() if c in rate["colocated"]}
         out.write_text(json.dumps(R, indent=1) + "\n")
 
     prompts = code_prompts(max(levels) * 2, chars=1200, seed=9)
-    with served(R["config"], echo=lambda line: print(line, flush=True), timeout_s=1800) as up:
-        R["ready_s"] = round(up.ready_s, 1)
-        log("ready in", R["ready_s"], "s")
-        from cluster.client import Client
-
-        with Client(up.grpc, timeout=600) as c:
-            r = c.generate("def fibonacci(n):", max_tokens=32)
-        R["grpc_request"] = {"tokens": len(r.token_ids), "finish_reason": r.finish_reason}
-        R["openai_request"] = {"tokens": openai_request(up.http, "import os", 16)}
-        log("gRPC:", R["grpc_request"], "OpenAI:", R["openai_request"])
+    for pl in placements:
+        measure(a, pl, levels, prompts, R["runs"].setdefault(pl, {}), write)
         write()
-        for c in levels:
-            run_grpc(up.grpc, None, prompts[:c], c, a.new, "auto")  # warm-up at this level
-            done, wall = run_grpc(up.grpc, None, prompts[:2 * c], c, a.new, "auto")
-            tokens = sum(len(d.get("token_ids", [])) for d in done)
-            R.setdefault("streams", []).append({"concurrency": c, "requests": len(done), "tokens": tokens,
-                                                "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1)})
-            log("streams", R["streams"][-1])
-            write()
     log("wrote", out)
     return 0
 

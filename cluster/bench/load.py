@@ -94,7 +94,7 @@ def run_grpc(address: str, application: str | None, prompts, concurrency: int, m
 
     from cluster.client import Client
 
-    queue, done, lock = list(prompts), [], threading.Lock()
+    queue, done, lock = list(enumerate(prompts)), [], threading.Lock()
 
     def worker():
         with Client(address, application=application) as c:
@@ -102,12 +102,13 @@ def run_grpc(address: str, application: str | None, prompts, concurrency: int, m
                 with lock:
                     if not queue:
                         return
-                    p = queue.pop(0)
+                    i, p = queue.pop(0)
                 r = c.generate(p if isinstance(p, str) else " ".join(map(str, p)), max_tokens=max_tokens,
                                speculation=speculation)
                 d = MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
                 for k in ("drafted", "accepted", "verify_steps"):  # int64: JSON mapping gives strings
                     d["spec"][k] = int(d["spec"][k])
+                d["prompt_index"] = i  # replies come in finishing order
                 with lock:
                     done.append(d)
 

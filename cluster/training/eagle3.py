@@ -7,7 +7,8 @@
    sampled for the rest, so the head learns what the target says. One more target pass over
    each whole sequence keeps, at every position, the aux hidden states (the inputs of the
    three chosen layers, what serving captures) and the target's logits.
-2. Draft vocabulary: the `--draft-vocab` ids the target emits most; d2t/t2d map them.
+2. Draft vocabulary: the `--draft-vocab` ids the target emits most (default all of a small
+   vocabulary, 32,000 of a large one); d2t/t2d map them.
 3. The head starts from the target where shapes agree (lm_head rows of the draft vocabulary,
    the final norm; the embedding is the target's, shared and frozen, as serving shares it).
 4. Training-time test: step 0 runs the head over every position p, fed fc(aux_p) and token
@@ -209,7 +210,8 @@ def parse_args(argv):
     ap.add_argument("--aux-layers", help="target layers feeding fc, e.g. 1,3,5 (default: low/middle/high)")
     ap.add_argument("--init", help="continue training this head (its aux layers, draft vocabulary and weights): "
                     "a run longer than one time budget, on fresh sequences with another --seed")
-    ap.add_argument("--draft-vocab", type=int, default=2048, help="draft vocabulary size (d2t/t2d)")
+    ap.add_argument("--draft-vocab", type=int, help="draft vocabulary size (d2t/t2d; default: the target's, up to "
+                    "32,000 as in the EAGLE-3 releases: a smaller one caps acceptance at its coverage)")
     ap.add_argument("--prompts", type=int, default=512, help="training sequences")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=96, help="target tokens continuing each prompt")
@@ -239,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     aux_layers = (head.cfg.aux_layers if head else tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers
                   else pick_aux_layers(s.layers))
     model.aux_layers = aux_layers
+    args.draft_vocab = args.draft_vocab or min(s.vocab_size, 32000)
     seqs = make_sequences(model, tok, "train", args.prompts, args, args.seed)
     ids, coverage = draft_vocab(seqs, s.vocab_size, args.draft_vocab)
     if head:  # its own draft vocabulary, and what it covers of these sequences
