@@ -104,7 +104,15 @@ def build_engine(max_seqs: int):
     model = random_model(cfg, "cpu", torch.float32, seed=0)
     ecfg = EngineConfig(max_num_seqs=max_seqs, max_model_len=1024, max_waiting=1024, max_batch_tokens=2048,
                         prefill_chunk=512, gamma=4, gamma_max=8)
-    return Engine(model, tok, ecfg, {"ngram": NgramDrafter()}, "ngram", identity="host-step-tiny")
+    drafters = {"ngram": NgramDrafter()}
+    try:  # verify_model: a draft model (one layer) of the same tiny size; older checkouts may lack it
+        from cluster.engine.drafters.model import ModelDrafter
+
+        dcfg = LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": 1})
+        drafters["model"] = ModelDrafter(random_model(dcfg, "cpu", torch.float32, seed=1), max_seqs, 1024)
+    except (ImportError, TypeError):
+        pass
+    return Engine(model, tok, ecfg, drafters, "ngram", identity="host-step-tiny")
 
 
 def prompts(tok, n: int, seed: int, length: int = 640) -> list[list[int]]:
@@ -126,7 +134,8 @@ def measure(engine, timers: Timers, batch: int, mode: str, steps: int, seed: int
 
     spec = SpecParams("off") if mode == "decode" else SpecParams("fixed", 4)
     params = SamplingParams(max_tokens=300, ignore_eos=True)
-    ids = [engine.add_request(p, params, spec) for p in prompts(engine.tokenizer, batch, seed)]
+    drafter = "model" if mode == "verify_model" else None  # verify: the n-gram drafter
+    ids = [engine.add_request(p, params, spec, drafter) for p in prompts(engine.tokenizer, batch, seed)]
     while engine.scheduler.waiting or not all(s.prefilled for s in engine.scheduler.running):
         engine.step()
     for _ in range(3):  # warm-up
