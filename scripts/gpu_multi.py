@@ -95,7 +95,11 @@ def drafting(app: str, mode: Mode) -> dict:
     from ray import serve
 
     reps = serve.get_deployment_handle("StatsBoard", app).snapshot.remote().result()["replicas"]
-    out = {"verifier_drafted": {r: s.get("drafted", 0) for r, s in reps.items()}}
+    out = {"verifier_drafted": {r: s.get("drafted", 0) for r, s in reps.items()},
+           # rows whose draft asked for during the previous verify pass was used / dropped: how
+           # often a drafter working ahead paid (issue 39), since the mode was deployed
+           "look_ahead": {r: {"used": s.get("ahead_hits", 0), "dropped": s.get("ahead_misses", 0)}
+                          for r, s in reps.items()}}
     if mode.placement == "disaggregated":
         out["drafter_calls"] = serve.get_deployment_handle("Drafter", app).info.remote().result()["calls"]
     return out

@@ -45,10 +45,22 @@ class VerifierMetrics:
                                        tag_keys=tags)
         self.preemptions = metrics.Counter("spec_preemptions", "Sequences preempted for want of KV blocks "
                                            "(recomputed later)", tag_keys=tags)
-        self._preemptions = 0  # the engine's count when last reported
+        # drafting: next-step drafts asked for during a verify pass and then used or dropped
+        # (how often a drafter working ahead pays), and draft calls that failed (the rows
+        # decoded without drafts that step)
+        self.ahead_hits = metrics.Counter("spec_draft_ahead_hits", "Rows whose look-ahead draft, asked for "
+                                          "during the previous verify pass, was used", tag_keys=tags)
+        self.ahead_misses = metrics.Counter("spec_draft_ahead_misses", "Rows whose look-ahead draft was dropped "
+                                            "(a draft rejected or another bonus token)", tag_keys=tags)
+        self.draft_failures = metrics.Counter("spec_draft_failures", "Draft calls that failed (their rows "
+                                              "decoded without drafts that step)", tag_keys=tags)
+        # Engine.stats() key -> counter fed with its growth since the last report
+        self.totals = {"preemptions": self.preemptions, "ahead_hits": self.ahead_hits,
+                       "ahead_misses": self.ahead_misses, "draft_failures": self.draft_failures}
+        self.last = dict.fromkeys(self.totals, 0)  # the engine's counts when last reported
         self.tags = {"replica": replica, "model_name": model_name}
         for m in (self.drafts, self.drafted, self.accepted, self.gamma, self.on, self.batch_tokens, self.ttft, self.itl,
-                  self.prefix_hit, self.running, self.kv_total, self.kv_used, self.kv_cached, self.preemptions):
+                  self.prefix_hit, self.running, self.kv_total, self.kv_used, self.kv_cached, *self.totals.values()):
             m.set_default_tags(self.tags)
 
     def step(self, obs) -> None:
@@ -75,14 +87,15 @@ class VerifierMetrics:
             self.itl.observe(x)
         self.prefix_hit.set(prefix_hit_rate)
 
-    def kv(self, stats: dict) -> None:
-        """The KV pool's figures from Engine.stats(), with each stats report (every second,
-        idle or not: a step-time hook would leave the last busy figures up once idle, and
-        counting cached blocks walks the free list)."""
+    def report(self, stats: dict) -> None:
+        """The KV pool's figures and the counts kept by the engine, from Engine.stats(), with
+        each stats report (every second, idle or not: a step-time hook would leave the last
+        busy figures up once idle, and counting cached blocks walks the free list)."""
         self.kv_total.set(stats["kv_blocks_total"])
         self.kv_used.set(stats["kv_blocks_used"])
         self.kv_cached.set(stats["kv_blocks_cached"])
-        n = stats["preemptions"]
-        if n > self._preemptions:
-            self.preemptions.inc(n - self._preemptions)
-        self._preemptions = n
+        for key, counter in self.totals.items():
+            n = stats.get(key, 0)
+            if n > self.last[key]:
+                counter.inc(n - self.last[key])
+            self.last[key] = n

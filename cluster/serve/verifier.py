@@ -209,17 +209,17 @@ class Verifier:
     def _report(self) -> None:
         """Push stats to the board every REPORT_S; take back the cluster's in-flight count for
         the controller from the previous push's answer, so a slow board never stretches the
-        period (GetStats drops a replica silent for FRESH_S). The KV pool's metrics are set
-        here too, whether or not steps run."""
+        period (GetStats drops a replica silent for FRESH_S). The KV pool's and the drafting
+        counts' metrics are set here too, whether or not steps run."""
         sent, late_logged = None, False
         while self.client.alive:
             started = time.monotonic()
             try:
                 stats = self._stats(self.client.request_stats().result(timeout=FRESH_S))
                 try:
-                    self.metrics.kv(stats)
+                    self.metrics.report(stats)
                 except Exception as e:  # metrics are advice too: the report still goes
-                    log.debug("KV pool metrics failed: %s", e)
+                    log.debug("KV pool and drafting metrics failed: %s", e)
                 if sent is not None:
                     try:
                         inflight, replicas = sent.result(timeout_s=0)

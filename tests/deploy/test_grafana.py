@@ -46,7 +46,8 @@ def test_code_defines_the_issue_metrics():
               "spec_decode_num_draft_tokens_per_pos", "spec_decode_num_accepted_tokens_per_pos",
               "spec_gamma", "spec_speculation_on", "spec_verify_batch_tokens", "spec_ttft_ms", "spec_itl_ms",
               "spec_prefix_hit_ratio", "spec_running_sequences", "kvdir_available",
-              "spec_kv_blocks_total", "spec_kv_blocks_used", "spec_kv_blocks_cached", "spec_preemptions"):
+              "spec_kv_blocks_total", "spec_kv_blocks_used", "spec_kv_blocks_cached", "spec_preemptions",
+              "spec_draft_ahead_hits", "spec_draft_ahead_misses", "spec_draft_failures"):
         assert m in names, m
 
 

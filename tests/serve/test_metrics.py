@@ -64,3 +64,20 @@ def test_names_and_labels(recorded):
         assert set(recorded[name].tag_keys) == {"model_name", "replica"}
     assert set(recorded["spec_decode_num_accepted_tokens_per_pos"].tag_keys) == {"model_name", "replica", "position"}
     assert not any(":" in n for n in recorded)  # Ray refuses ':' in metric names
+
+
+def test_engine_counts_grow_their_counters_by_what_each_report_adds(recorded):
+    """Preemptions, look-ahead drafts used and dropped, and failed draft calls reach their
+    counters as the growth of the engine's own counts between stats reports, and a report that
+    adds nothing (idle) adds nothing."""
+    m, recorded = recorded
+    pool = {"kv_blocks_total": 100, "kv_blocks_used": 10, "kv_blocks_cached": 5}
+    counts = [{"preemptions": 0, "ahead_hits": 3, "ahead_misses": 1, "draft_failures": 0},
+              {"preemptions": 2, "ahead_hits": 10, "ahead_misses": 4, "draft_failures": 1},
+              {"preemptions": 2, "ahead_hits": 10, "ahead_misses": 4, "draft_failures": 1}]
+    for c in counts:
+        m.report({**pool, **c})
+    assert _total(recorded["spec_preemptions"]) == 2
+    assert _total(recorded["spec_draft_ahead_hits"]) == 10
+    assert _total(recorded["spec_draft_ahead_misses"]) == 4
+    assert _total(recorded["spec_draft_failures"], replica="r1", model_name="demo-target") == 1
