@@ -201,6 +201,33 @@ def part_8b() -> None:
     for name, drafter, g in (("draft_model", "model", 4), ("ngram", "ngram", 4), ("early_exit", "early-exit", 3)):
         check(name, lambda d=drafter, g=g: greedy_run(e, PROMPTS, SpecParams("fixed", g), d))
 
+    def sampled():
+        """Seeded rows at temperature 0.8, plain and gamma 4 (draft model): their draws come
+        from each request's generator on the device, and the same seeds give the same tokens twice."""
+        from cluster.bench.workloads import code_prompts
+
+        prompts = [e.tokenizer.encode(t)[:200] for t in code_prompts(16, chars=2000, seed=9)]
+        params = [SamplingParams(max_tokens=48, temperature=0.8, seed=i, ignore_eos=True) for i in range(16)]
+        added = e.add_request
+        devices = set()
+        e.add_request = lambda *a, **k: (lambda sid: devices.add(str(e.seqs[sid].generator.device)) or sid)(added(*a, **k))
+        out = {}
+        try:
+            for name, spec, d in (("plain", SpecParams("off"), None), ("gamma4", SpecParams("fixed", 4), "model")):
+                t = time.perf_counter()
+                first = [r["token_ids"] for r in e.generate(prompts, params, spec, d)]
+                secs = time.perf_counter() - t
+                again = [r["token_ids"] for r in e.generate(prompts, params, spec, d)]
+                need(first == again, f"{name}: the same seeds gave other tokens")
+                need(all(len(x) == 48 for x in first), f"{name}: a row stopped short")
+                out[f"{name}_tok_s"] = round(16 * 48 / secs, 1)
+        finally:
+            del e.add_request
+        need(devices == {str(e.kv.tables.device)}, f"generators on {devices}")
+        return {**out, "generator_devices": sorted(devices)}
+
+    check("sampled_seeded", sampled)
+
     def speed():
         return {"plain_tok_s": tok_s(e, SpecParams("off")), "gamma4_model_tok_s": tok_s(e, SpecParams("fixed", 4), "model")}
 

@@ -133,9 +133,12 @@ def measure(engine, timers: Timers, batch: int, mode: str, steps: int, seed: int
     from cluster.engine.scheduling.sequence import SpecParams
 
     spec = SpecParams("off") if mode == "decode" else SpecParams("fixed", 4)
-    params = SamplingParams(max_tokens=300, ignore_eos=True)
-    drafter = "model" if mode == "verify_model" else None  # verify: the n-gram drafter
-    ids = [engine.add_request(p, params, spec, drafter) for p in prompts(engine.tokenizer, batch, seed)]
+    sampled = mode.endswith("_sampled")  # temperature 0.7, a seed a row
+    drafter = "model" if mode.startswith("verify_model") else None  # verify: the n-gram drafter
+    ids = []
+    for i, p in enumerate(prompts(engine.tokenizer, batch, seed)):
+        params = SamplingParams(max_tokens=300, ignore_eos=True, **({"temperature": 0.7, "seed": i} if sampled else {}))
+        ids.append(engine.add_request(p, params, spec, drafter))
     while engine.scheduler.waiting or not all(s.prefilled for s in engine.scheduler.running):
         engine.step()
     for _ in range(3):  # warm-up

@@ -14,6 +14,9 @@ given the tokens before it, whatever the tree held. (It is recursive rejection s
 siblings with one-hot proposals: a candidate is accepted with probability p(candidate).)
 
 Randomness comes only from each request's own generator, so a seed reproduces its output.
+The engine makes it on its device: a sampled row's Exp(1) vector over the vocabulary (128k
+values at Llama-3 size) is drawn there by one kernel, where a CPU generator drew it on the
+host and copied it over, row by row, every step.
 """
 
 from __future__ import annotations
@@ -85,22 +88,33 @@ def _accept_chains(logits, params, generators, drafts, q_ids, q_probs) -> list[l
     noise = torch.ones((B, vocab), device=dev)
     for b, (sp, gen, t) in enumerate(zip(params, generators, drafts)):
         if not sp.greedy:
-            uniform[b, : len(t)] = torch.rand(len(t), generator=gen).to(dev)
-            noise[b] = torch.empty(vocab).exponential_(generator=gen).clamp_(min=1e-20).to(dev)
+            draw(uniform[b, : len(t)], gen, "uniform")
+            draw(noise[b], gen, "exponential")
+    noise.clamp_(min=1e-20)
     num_draft = torch.tensor([len(t) for t in drafts], device=dev)
     out, num_acc = rejection_sample(draft_ids.to(dev), num_draft, q, p, uniform, noise)
     return [row[: n + 1] for row, n in zip(out.tolist(), num_acc.tolist())]
 
 
-def walk(parents: list[int], tokens: list[int], draw) -> tuple[list[int], int]:
+def draw(out: torch.Tensor, gen: torch.Generator, kind: str) -> torch.Tensor:
+    """Fill `out` with U[0, 1) or Exp(1) values from a row's generator: in place where they
+    share a device; else drawn where the generator is and copied (the same values either way)."""
+    if not out.numel():
+        return out
+    at = out if gen.device == out.device else torch.empty(out.shape, device=gen.device)
+    at.uniform_(generator=gen) if kind == "uniform" else at.exponential_(generator=gen)
+    return out if at is out else out.copy_(at)
+
+
+def walk(parents: list[int], tokens: list[int], token_at) -> tuple[list[int], int]:
     """Accepted nodes (draft indices, root to leaf) and the token that follows them.
-    `draw(feed_index)` is the target's token at that feed position."""
+    `token_at(feed_index)` is the target's token at that feed position."""
     children: dict[tuple[int, int], int] = {}
     for i, (p, t) in enumerate(zip(parents, tokens)):
         children.setdefault((p, t), i)  # siblings should be distinct; a duplicate can never win
     path, node = [], -1
     while True:
-        token = draw(node + 1)
+        token = token_at(node + 1)
         nxt = children.get((node, token))
         if nxt is None:
             return path, token
@@ -118,8 +132,8 @@ def accept_tree(parents: list[int], tokens: list[int], logits: torch.Tensor, par
     probs = target_probs(logits, [params], logits.shape[0])
     vocab = probs.shape[-1]
 
-    def draw(i: int) -> int:
-        noise = torch.empty(vocab).exponential_(generator=generator).clamp_(min=1e-20).to(probs.device)
+    def race(i: int) -> int:
+        noise = draw(torch.empty(vocab, device=probs.device), generator, "exponential").clamp_(min=1e-20)
         return int((probs[i] / noise).argmax())  # exponential race: a draw from probs[i]
 
-    return walk(parents, tokens, draw)
+    return walk(parents, tokens, race)
