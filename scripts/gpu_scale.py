@@ -18,6 +18,8 @@ PARTS (comma-separated, default all):
   steps' pass); compare its sweep with a run without it on the same warm machine.
 - RAGGED=inf runs prefill passes of unequal prompt chunks padded to the widest, as before
   segments (cluster.engine.worker.runner.RAGGED): a same-machine before/after.
+- TEMPERATURE=0.8 samples the sweep's requests at that temperature (greedy by default): the
+  draws of sampled rows, and plain steps that cannot launch ahead (greedy rows only).
 - prefix: a shared 2k-token prompt: TTFT of requests whose prefix is cached against requests
   with a fresh prefix, one at a time.
 """
@@ -123,6 +125,7 @@ def sweep(engine, R: dict) -> None:
     prompts = iter(distinct.values())
     take = lambda k: [next(prompts) for _ in range(k)]  # noqa: E731
     R["sweep_prompt_tokens"] = 640
+    temp = R["sweep_temperature"] = float(os.environ.get("TEMPERATURE", "0"))
     rng = random.Random(5)
     lengths = [rng.randint(64, 192) for _ in range(max(16, 2 * max(levels)))]
     controller = make_controller(SpeculationPolicyConfig(mode="goodput"))
@@ -132,12 +135,12 @@ def sweep(engine, R: dict) -> None:
         point = {"concurrency": c, "requests": n, "roofline_tokens_per_s": roofline([640] * n, lengths[:n], c, R)}
         for name, spec in (("off", SpecParams("off")), ("fixed4", SpecParams("fixed", 4)), ("goodput", SpecParams("auto"))):
             engine.controller = controller if name == "goodput" else None
-            run_engine(engine, take(c), c, lengths[:c], spec)  # warm-up (and the controller)
+            run_engine(engine, take(c), c, lengths[:c], spec, temp)  # warm-up (and the controller)
             reqs = take(n)
             trace: list = []  # per step: batch, gamma, drafted, accepted, step ms (the controller's inputs)
             engine.on_verify = lambda o: trace.append(  # noqa: B023 - read before the next mode
                 (o.batch_size, o.gamma, o.drafted, sum(o.accepted_per_position), round(1e3 * o.step_s, 2)))
-            (res, wall), host = measured(engine, lambda: run_engine(engine, reqs, c, lengths[:n], spec))
+            (res, wall), host = measured(engine, lambda: run_engine(engine, reqs, c, lengths[:n], spec, temp))
             engine.on_verify = None
             s = summarise(res, wall)
             point[name] = {**s, **host, "preemptions": engine.scheduler.preemptions,

@@ -68,9 +68,10 @@ def summarise(results: list[dict], wall: float) -> dict:
                if results and "tpot_ms" in results[0]["timing"] else {})}
 
 
-def run_engine(engine, prompts, concurrency: int, max_tokens: int | list[int], spec) -> tuple[list[dict], float]:
+def run_engine(engine, prompts, concurrency: int, max_tokens: int | list[int], spec,
+               temperature: float = 0.0) -> tuple[list[dict], float]:
     """Keep `concurrency` requests in flight until every prompt is done; `max_tokens`: one
-    for all, or one per prompt."""
+    for all, or one per prompt; greedy, or sampled at `temperature`."""
     from cluster.engine.sampling import SamplingParams
 
     lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
@@ -79,7 +80,7 @@ def run_engine(engine, prompts, concurrency: int, max_tokens: int | list[int], s
     while queue or live:
         while queue and len(live) < concurrency:
             p, n = queue.pop(0)
-            sid = engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True), spec)
+            sid = engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True, temperature=temperature), spec)
             live[sid] = {"token_ids": []}
         for o in engine.step():
             if o.seq_id in live:
