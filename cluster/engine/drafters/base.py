@@ -101,9 +101,9 @@ def empty_rows(tokens: list[list[int]], ids: list, probs: list) -> tuple[list[np
             [np.asarray(p, np.float32).reshape(len(t), -1 if t else 1) for p, t in zip(probs, tokens)])
 
 
-def draft_generator(seed: int | None) -> torch.Generator:
+def draft_generator(seed: int | None, device="cpu") -> torch.Generator:
     """A sequence's own draft-sampling stream (seeded requests draft reproducibly); never the
     target's generator, whose draws decide acceptance."""
-    g = torch.Generator(device="cpu")
+    g = torch.Generator(device=device)
     g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
     return g

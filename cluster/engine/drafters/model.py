@@ -16,7 +16,7 @@ from concurrent.futures import Future
 import torch
 
 from cluster.engine.drafters.base import TOPK, Drafter, DraftOutput, DraftRequest, draft_generator, empty_rows
-from cluster.engine.sampling import target_probs
+from cluster.engine.sampling import draw, target_probs
 from cluster.engine.scheduling.kv_cache import KVCache, KVHandle
 from cluster.engine.worker.attention import device_ints
 from cluster.engine.worker.model import CausalLM
@@ -150,8 +150,8 @@ class ModelDrafter(Drafter):
                 out[r.seq_id][2].extend([1.0] for _ in d)
         else:
             # a row's generator is made on its first sampled draft (seeded: the same stream)
-            gens = [self.generators.get(r.seq_id) or self.generators.setdefault(r.seq_id, draft_generator(r.params.seed))
-                    for r in reqs]
+            gens = [self.generators.get(r.seq_id) or self.generators.setdefault(
+                r.seq_id, draft_generator(r.params.seed, logits.device)) for r in reqs]
             drafts = self._sampled_chain(reqs, kv_rows, lens, logits, gens, out)
         for b, r in enumerate(reqs):
             cached = r.token_ids + drafts[b][:-1]  # the last draft was never fed
@@ -191,29 +191,35 @@ class ModelDrafter(Drafter):
         return drafts
 
     def _sampled_chain(self, reqs, kv_rows, lens, logits, gens, out) -> list[list[int]]:
-        """Each row samples from its top-K-truncated distribution (on the host, with its own
-        generator: reproducible for a seed); greedy rows among them take the argmax."""
+        """Each row samples from its top-K-truncated distribution by the inverse CDF of one
+        uniform from its own generator (on the device: reproducible for a seed, no host round
+        trip a row); greedy rows take the argmax. One copy to the host a draft step."""
         drafts: list[list[int]] = [[] for _ in reqs]
+        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
         for step in range(max(r.k for r in reqs)):
             probs = target_probs(logits, [r.params for r in reqs])
             top_p, top_i = probs.topk(min(TOPK, probs.shape[-1]), dim=-1)
             top_p = top_p / top_p.sum(-1, keepdim=True)
-            picks = []
-            for b, r in enumerate(reqs):
-                if step >= r.k:
-                    continue
-                if r.params.greedy:
-                    tok, ids, ps = int(top_i[b, 0]), [int(top_i[b, 0])], [1.0]
+            live = [b for b, r in enumerate(reqs) if step < r.k]
+            u = torch.zeros(len(reqs), device=logits.device)
+            for b in live:
+                if not reqs[b].params.greedy:
+                    draw(u[b:b + 1], gens[b], "uniform")
+            # the first index whose cumulative probability passes u, never one of probability 0
+            last = (top_p > 0).sum(-1) - 1
+            j = torch.minimum((top_p.cumsum(-1) <= u[:, None]).sum(-1), last).masked_fill(greedy, 0)
+            tok_h, ids_h, ps_h = (t.tolist() for t in (top_i.gather(-1, j[:, None])[:, 0], top_i, top_p))
+            for b in live:
+                if reqs[b].params.greedy:
+                    ids, ps = [tok_h[b]], [1.0]
                 else:
-                    j = int(torch.multinomial(top_p[b].cpu(), 1, generator=gens[b]))
-                    tok, ids, ps = int(top_i[b, j]), top_i[b].tolist(), top_p[b].tolist()
-                drafts[b].append(tok)
-                out[r.seq_id][1].append(ids)
-                out[r.seq_id][2].append(ps)
-                picks.append(b)
+                    ids, ps = ids_h[b], ps_h[b]
+                drafts[b].append(tok_h[b])
+                out[reqs[b].seq_id][1].append(ids)
+                out[reqs[b].seq_id][2].append(ps)
             if step + 1 >= max(r.k for r in reqs):
                 break
-            rows = [b for b in picks if len(drafts[b]) < reqs[b].k]
+            rows = [b for b in live if len(drafts[b]) < reqs[b].k]
             if not rows:
                 break
             sub = self.runner.forward([kv_rows[b] for b in rows], [lens[b] for b in rows],

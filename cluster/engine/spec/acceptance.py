@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.engine.drafters.base import DraftOutput
-from cluster.engine.sampling import SamplingParams, rejection_sample, target_probs
+from cluster.engine.sampling import SamplingParams, draw, rejection_sample, target_probs
 
 
 @dataclass
@@ -94,16 +94,6 @@ def _accept_chains(logits, params, generators, drafts, q_ids, q_probs) -> list[l
     num_draft = torch.tensor([len(t) for t in drafts], device=dev)
     out, num_acc = rejection_sample(draft_ids.to(dev), num_draft, q, p, uniform, noise)
     return [row[: n + 1] for row, n in zip(out.tolist(), num_acc.tolist())]
-
-
-def draw(out: torch.Tensor, gen: torch.Generator, kind: str) -> torch.Tensor:
-    """Fill `out` with U[0, 1) or Exp(1) values from a row's generator: in place where they
-    share a device; else drawn where the generator is and copied (the same values either way)."""
-    if not out.numel():
-        return out
-    at = out if gen.device == out.device else torch.empty(out.shape, device=gen.device)
-    at.uniform_(generator=gen) if kind == "uniform" else at.exponential_(generator=gen)
-    return out if at is out else out.copy_(at)
 
 
 def walk(parents: list[int], tokens: list[int], token_at) -> tuple[list[int], int]:
