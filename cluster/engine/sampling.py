@@ -131,12 +131,3 @@ def rejection_sample(
     out[rows, num_acc] = token
     return out, num_acc.long()
 
-
-def draw(out: torch.Tensor, gen: torch.Generator, kind: str) -> torch.Tensor:
-    """Fill `out` with U[0, 1) or Exp(1) values from a row's generator: in place where they
-    share a device; else drawn where the generator is and copied (the same values either way)."""
-    if not out.numel():
-        return out
-    at = out if gen.device == out.device else torch.empty(out.shape, device=gen.device)
-    at.uniform_(generator=gen) if kind == "uniform" else at.exponential_(generator=gen)
-    return out if at is out else out.copy_(at)

@@ -16,7 +16,7 @@ from concurrent.futures import Future
 import torch
 
 from cluster.engine.drafters.base import TOPK, Drafter, DraftOutput, DraftRequest, draft_generator, empty_rows
-from cluster.engine.sampling import draw, target_probs
+from cluster.engine.sampling import target_probs
 from cluster.engine.scheduling.kv_cache import KVCache, KVHandle
 from cluster.engine.worker.attention import device_ints
 from cluster.engine.worker.model import CausalLM
@@ -204,7 +204,7 @@ class ModelDrafter(Drafter):
             u = torch.zeros(len(reqs), device=logits.device)
             for b in live:
                 if not reqs[b].params.greedy:
-                    draw(u[b:b + 1], gens[b], "uniform")
+                    u[b:b + 1].uniform_(generator=gens[b])
             # the first index whose cumulative probability passes u, never one of probability 0
             last = (top_p > 0).sum(-1) - 1
             j = torch.minimum((top_p.cumsum(-1) <= u[:, None]).sum(-1), last).masked_fill(greedy, 0)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from cluster.engine.drafters.base import DraftOutput
-from cluster.engine.sampling import SamplingParams, draw, rejection_sample, target_probs
+from cluster.engine.sampling import SamplingParams, rejection_sample, target_probs
 
 
 @dataclass
@@ -88,8 +88,8 @@ def _accept_chains(logits, params, generators, drafts, q_ids, q_probs) -> list[l
     noise = torch.ones((B, vocab), device=dev)
     for b, (sp, gen, t) in enumerate(zip(params, generators, drafts)):
         if not sp.greedy:
-            draw(uniform[b, : len(t)], gen, "uniform")
-            draw(noise[b], gen, "exponential")
+            uniform[b, : len(t)].uniform_(generator=gen)  # in place: the generator is on the device
+            noise[b].exponential_(generator=gen)
     noise.clamp_(min=1e-20)
     num_draft = torch.tensor([len(t) for t in drafts], device=dev)
     out, num_acc = rejection_sample(draft_ids.to(dev), num_draft, q, p, uniform, noise)
@@ -123,7 +123,7 @@ def accept_tree(parents: list[int], tokens: list[int], logits: torch.Tensor, par
     vocab = probs.shape[-1]
 
     def race(i: int) -> int:
-        noise = draw(torch.empty(vocab, device=probs.device), generator, "exponential").clamp_(min=1e-20)
+        noise = torch.empty(vocab, device=probs.device).exponential_(generator=generator).clamp_(min=1e-20)
         return int((probs[i] / noise).argmax())  # exponential race: a draw from probs[i]
 
     return walk(parents, tokens, race)
