@@ -212,6 +212,11 @@ def part_8b() -> None:
         device = str(e.seqs[sid].generator.device)
         e.abort(sid)
         need(device == str(e.kv.tables.device), f"a request's generator is on {device}")
+        from cluster.engine.drafters.base import draft_uniforms
+
+        keys, at = torch.randint(0, 2**63 - 1, (4096,)), torch.randint(0, 2**20, (4096,))
+        need(torch.equal(draft_uniforms(keys.to(device), at.to(device)).cpu(), draft_uniforms(keys, at)),
+             "draft draws hash differently on the GPU")  # int64 products wrap there as on the host
         out = {"generator_device": device}
         for name, spec, d in (("plain", SpecParams("off"), None), ("gamma4", SpecParams("fixed", 4), "model")):
             t = time.perf_counter()

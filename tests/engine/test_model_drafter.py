@@ -55,3 +55,39 @@ def test_model_drafter_samples_each_draft_from_the_q_it_reports(random_models):
     chi2 = sum((counts[t] - n * p) ** 2 / (n * p) for t, p in q.items() if p > 0)
     assert chi2 < 80, chi2
     assert drafts()[1] == first
+
+
+def test_seeded_sampled_drafts_do_not_depend_on_drafting_ahead(random_models, tokenizer):
+    """A seeded sampled request gives the same tokens whether or not its drafter also drafted
+    ahead (calls whose drafts were then dropped): a draft's draw is keyed by the seed and the
+    draft's position, not taken from a stream that extra calls would move on. Also the same
+    tokens with drafts from a drafter that lost its state (a replica restarted) each step."""
+    import torch
+
+    from cluster.engine.config import EngineConfig
+    from cluster.engine.drafters.model import ModelDrafter
+    from cluster.engine.engine import Engine
+    from cluster.engine.sampling import SamplingParams
+    from cluster.engine.scheduling.sequence import SpecParams
+    from cluster.engine.worker.loader import load_model
+    from tests.engine.test_engine import PROMPTS
+
+    target = load_model(random_models["llama"], torch.float32, "cpu")
+    draft = load_model(random_models["llama_draft"], torch.float32, "cpu")
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, max_batch_tokens=64)
+    spec = SpecParams("fixed", 3)
+
+    def run(drafter, forget=False):
+        e = Engine(target, tokenizer, cfg, {"model": drafter}, "model")
+        if forget:  # every call finds no state: the drafter re-prefills each row
+            propose = drafter.propose
+            drafter.propose = lambda reqs: (drafter.release([r.seq_id for r in reqs]), propose(reqs))[1]
+        out = [e.generate([p], SamplingParams(max_tokens=32, temperature=0.9, seed=i, ignore_eos=True), spec)[0]
+               for i, p in enumerate(PROMPTS)]  # single streams: the "free" drafter looks ahead
+        return [r["token_ids"] for r in out], e.planner.counts
+
+    ahead = ModelDrafter(draft, 8, 256, look_ahead="free")
+    tokens, counts = run(ahead)
+    assert counts["ahead_hits"] + counts["ahead_misses"] > 10, counts
+    assert run(ModelDrafter(draft, 8, 256, look_ahead=None))[0] == tokens
+    assert run(ModelDrafter(draft, 8, 256, look_ahead=None), forget=True)[0] == tokens

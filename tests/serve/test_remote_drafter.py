@@ -210,8 +210,9 @@ class Counting:
 
 def test_direct_calls_send_only_new_tokens_and_resync_after_eviction(demo_pair):
     """The real Drafter replica class behind a real ZeroMQ server, an in-process engine using
-    it as its remote drafter: greedy output equals speculation off; after the first call a
-    sequence's call carries only its new tokens; evicted draft state is re-sent in full."""
+    it as its remote drafter: greedy output equals speculation off, seeded sampled output repeats;
+    after the first call a sequence's call carries only its new tokens; evicted draft state is
+    re-sent in full."""
     import torch
 
     from cluster.config import parse_config
@@ -247,6 +248,11 @@ def test_direct_calls_send_only_new_tokens_and_resync_after_eviction(demo_pair):
         # step's tokens plus assumed drafts (a guessed call), or two steps' when a guessed call
         # hit and the look-ahead was off for the next step; never the whole context
         assert max(later) <= 2 * (4 + 1)
+        # seeded sampled requests repeat through the replica, guessed calls or not
+        seeded = [SamplingParams(max_tokens=24, temperature=0.8, seed=s, ignore_eos=True) for s in (1, 2)]
+        twice = [[r["token_ids"] for r in engine.generate(prompts, seeded, SpecParams("fixed", 4), "model")]
+                 for _ in range(2)]
+        assert twice[0] == twice[1]
 
         # the replica loses a sequence's state mid-run: that row resyncs, output is unchanged
         sid = engine.add_request(prompts[1], greedy, SpecParams("fixed", 4), "model")

@@ -15,6 +15,7 @@ draft came from, which is what rejection sampling needs.
 from __future__ import annotations
 
 import abc
+import random
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -101,9 +102,38 @@ def empty_rows(tokens: list[list[int]], ids: list, probs: list) -> tuple[list[np
             [np.asarray(p, np.float32).reshape(len(t), -1 if t else 1) for p, t in zip(probs, tokens)])
 
 
-def draft_generator(seed: int | None, device="cpu") -> torch.Generator:
-    """A sequence's own draft-sampling stream (seeded requests draft reproducibly); never the
-    target's generator, whose draws decide acceptance."""
-    g = torch.Generator(device=device)
-    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,))))
-    return g
+def draft_keys(requests: list[DraftRequest]) -> list[int]:
+    """Each row's key for its draft draws (draft_uniforms): its seed, or for an unseeded row a
+    fresh random key each call (its draws need only be independent of everything before)."""
+    return [r.params.seed % 2**63 if r.params.seed is not None else random.getrandbits(63) for r in requests]
+
+
+_GOLDEN, _M1, _M2 = (c - 2**64 for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
+    return (x >> s) & ((1 << (64 - s)) - 1)  # a logical shift: torch's >> keeps int64's sign
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (multiplication wraps as uint64's does)."""
+    x = x + _GOLDEN
+    x = (x ^ _lsr(x, 30)) * _M1
+    x = (x ^ _lsr(x, 27)) * _M2
+    return x ^ _lsr(x, 31)
+
+
+def draft_uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) a row for the draft at `positions` (absolute token positions,
+    int64), a hash of (key, position) rather than a draw from a stream. So a seeded row drafts
+    the same tokens whichever drafter instance serves it and whether or not a look-ahead
+    drafted its positions first. Lossless: a position's draft is tested at most once (it is
+    then accepted or replaced), and a number is reused only by drafts that were never tested."""
+    return _lsr(_mix(_mix(keys) + positions), 40).float() / 2**24
+
+
+def pick(top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Each row's draw from its distribution top_p [B, K] (rows sum to 1) by the inverse CDF of
+    u [B]: the first index whose cumulative probability passes u, never one of probability 0."""
+    last = (top_p > 0).sum(-1) - 1
+    return torch.minimum((top_p.cumsum(-1) <= u[:, None]).sum(-1), last)

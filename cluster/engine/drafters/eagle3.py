@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine.drafters.base import TOPK, Drafter, DraftOutput, DraftRequest, draft_generator, empty_rows
+from cluster.engine.drafters.base import TOPK, Drafter, DraftOutput, DraftRequest, draft_keys, draft_uniforms, empty_rows, pick
 from cluster.engine.drafters.eagle3_head import Eagle3Head
 from cluster.engine.sampling import target_probs
 from cluster.engine.scheduling.kv_cache import KVCache, KVHandle
@@ -71,7 +71,6 @@ class Eagle3Drafter(Drafter):
 
             self.graphs = HeadGraphs(head, self.kv, capture, graph_width)
         self.state: OrderedDict[str, _State] = OrderedDict()  # seq_id -> state, least recently used first
-        self.generators: dict[str, torch.Generator] = {}
 
     def warm_up(self) -> None:
         if self.graphs is not None:
@@ -79,7 +78,6 @@ class Eagle3Drafter(Drafter):
 
     def release(self, seq_ids: list[str]) -> None:
         for sid in seq_ids:
-            self.generators.pop(sid, None)
             st = self.state.pop(sid, None)
             if st is not None:
                 self.kv.close(st.handle)
@@ -222,9 +220,8 @@ class Eagle3Drafter(Drafter):
         """Each row's chain of r.k drafts (target ids) with its proposals (support, probabilities)."""
         head, k_max = self.head, max(r.k for r in reqs)
         greedy = all(r.params.greedy for r in reqs)
-        gens = [None if r.params.greedy else
-                self.generators.get(r.seq_id) or self.generators.setdefault(r.seq_id, draft_generator(r.params.seed))
-                for r in reqs]
+        keys = None if greedy else torch.tensor(draft_keys(reqs), device=self.device)
+        at = None if greedy else torch.tensor([len(r.token_ids) for r in reqs], device=self.device)
         out = torch.stack([st.out for st in sts])
         logits = head.logits(out)                                       # [B, draft_vocab]
         argmax = head.target_ids(logits.argmax(-1)) if greedy else None
@@ -235,7 +232,7 @@ class Eagle3Drafter(Drafter):
                 tok = argmax
                 picks.append(tok)
             else:
-                tok = self._sample(reqs, logits, gens, res, step)
+                tok = self._sample(reqs, logits, draft_uniforms(keys, at + step), res, step)
             if step + 1 == k_max:
                 break
             out, logits, argmax = self._step(sts, [st.n - st.base + step for st in sts], tok, out)
@@ -248,24 +245,27 @@ class Eagle3Drafter(Drafter):
                 res[b] = (toks, [[t] for t in toks], [[1.0] for _ in toks])
         return [(t[: r.k], i[: r.k], p[: r.k]) for (t, i, p), r in zip(res, reqs)]
 
-    def _sample(self, reqs, logits, gens, res, step: int) -> torch.Tensor:
-        """Step `step`'s draft of each row: the argmax for greedy rows, else a draw from the
-        row's processed draft distribution cut to its top-K (q is exactly that cut)."""
+    def _sample(self, reqs, logits, u, res, step: int) -> torch.Tensor:
+        """Step `step`'s draft of each row: the argmax for greedy rows, else a draw by the
+        uniform u [B] from the row's processed draft distribution cut to its top-K (q is
+        exactly that cut). One copy to the host."""
         probs = target_probs(logits, [r.params for r in reqs])
         top_p, top_i = probs.topk(min(TOPK, probs.shape[-1]), dim=-1)
-        top_p = (top_p / top_p.sum(-1, keepdim=True)).cpu()
-        top_t = self.head.target_ids(top_i).cpu()
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+        top_t = self.head.target_ids(top_i)
+        greedy = torch.tensor([r.params.greedy for r in reqs], device=top_p.device)
+        j = pick(top_p, u).masked_fill(greedy, 0)
+        tok_h, top_t, top_p = (t.tolist() for t in (top_t.gather(-1, j[:, None])[:, 0], top_t, top_p))
         toks = []
         for b, r in enumerate(reqs):
             if r.params.greedy:
-                j, ids, ps = 0, [int(top_t[b, 0])], [1.0]
+                ids, ps = [top_t[b][0]], [1.0]
             else:
-                j = int(torch.multinomial(top_p[b], 1, generator=gens[b]))
-                ids, ps = top_t[b].tolist(), top_p[b].tolist()
-            toks.append(int(top_t[b, j]))
+                ids, ps = top_t[b], top_p[b]
+            toks.append(tok_h[b])
             if step < r.k:
                 t, i, p = res[b]
                 t.append(toks[-1])
-                i.append(ids + [ids[0]] * (top_t.shape[1] - len(ids)))  # rectangular rows
-                p.append(ps + [0.0] * (top_t.shape[1] - len(ps)))
+                i.append(ids + [ids[0]] * (len(top_t[b]) - len(ids)))  # rectangular rows
+                p.append(ps + [0.0] * (len(top_t[b]) - len(ps)))
         return torch.tensor(toks, dtype=torch.int64, device=self.device)

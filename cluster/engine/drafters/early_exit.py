@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from cluster.engine.drafters.base import (TOPK, Drafter, DraftOutput, DraftRequest, draft_generator, empty_rows,
-                                          one_hot)
+from cluster.engine.drafters.base import (TOPK, Drafter, DraftOutput, DraftRequest, draft_keys, draft_uniforms, empty_rows,
+                                          one_hot, pick)
 from cluster.engine.sampling import target_probs
 
 
@@ -27,11 +27,6 @@ class EarlyExitDrafter(Drafter):
 
     def __init__(self, target_runner, layers: int):
         self.runner, self.layers = target_runner, layers
-        self.generators: dict[str, torch.Generator] = {}
-
-    def release(self, seq_ids: list[str]) -> None:
-        for sid in seq_ids:
-            self.generators.pop(sid, None)
 
     def propose(self, requests: list[DraftRequest]) -> DraftOutput:
         t0 = time.perf_counter()
@@ -50,6 +45,7 @@ class EarlyExitDrafter(Drafter):
         drafts = [[] for _ in requests]
         q_ids, q_probs = [[] for _ in requests], [[] for _ in requests]
         k = max(r.k for r in requests)
+        keys = at = greedy = None  # made on the first sampled step
         for step in range(k):
             logits = self.runner.forward(rows, lens, feed, last_only=True, num_layers=self.layers)
             if all(r.params.greedy for r in requests):  # argmax only: no softmax over the vocabulary
@@ -64,21 +60,22 @@ class EarlyExitDrafter(Drafter):
             probs = target_probs(logits, [r.params for r in requests])
             top_p, top_i = probs.topk(min(TOPK, probs.shape[-1]), dim=-1)
             top_p = top_p / top_p.sum(-1, keepdim=True)
-            greedy = top_i[:, 0].tolist()
+            if keys is None:
+                keys = torch.tensor(draft_keys(requests), device=top_p.device)
+                at = torch.tensor([len(r.token_ids) for r in requests], device=top_p.device)
+                greedy = torch.tensor([r.params.greedy for r in requests], device=top_p.device)
+            j = pick(top_p, draft_uniforms(keys, at + step)).masked_fill(greedy, 0)
+            tok_h, ids_h, ps_h = (t.tolist() for t in (top_i.gather(-1, j[:, None])[:, 0], top_i, top_p))
             for b, r in enumerate(requests):
                 if step >= r.k:
                     continue
                 if r.params.greedy:
-                    tok = greedy[b]
-                    q_ids[b].append([tok])
+                    q_ids[b].append([tok_h[b]])
                     q_probs[b].append([1.0])
                 else:
-                    gen = self.generators.get(r.seq_id) or self.generators.setdefault(r.seq_id, draft_generator(r.params.seed))
-                    j = int(torch.multinomial(top_p[b].cpu(), 1, generator=gen))
-                    tok = int(top_i[b, j])
-                    q_ids[b].append(top_i[b].tolist())
-                    q_probs[b].append(top_p[b].tolist())
-                drafts[b].append(tok)
+                    q_ids[b].append(ids_h[b])
+                    q_probs[b].append(ps_h[b])
+                drafts[b].append(tok_h[b])
             lens = [n + 1 for n in lens]
             feed = [[d[-1]] if d else [0] for d in drafts]
         return DraftOutput(drafts, *empty_rows(drafts, q_ids, q_probs), time.perf_counter() - t0)

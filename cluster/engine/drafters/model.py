@@ -15,7 +15,7 @@ from concurrent.futures import Future
 
 import torch
 
-from cluster.engine.drafters.base import TOPK, Drafter, DraftOutput, DraftRequest, draft_generator, empty_rows
+from cluster.engine.drafters.base import TOPK, Drafter, DraftOutput, DraftRequest, draft_keys, draft_uniforms, empty_rows, pick
 from cluster.engine.sampling import target_probs
 from cluster.engine.scheduling.kv_cache import KVCache, KVHandle
 from cluster.engine.worker.attention import device_ints
@@ -56,7 +56,6 @@ class ModelDrafter(Drafter):
                              max_tokens=CATCHUP_TOKENS, dense_to=CATCHUP)
         self.max_len = max_len
         self.state: OrderedDict[str, tuple[KVHandle, list[int]]] = OrderedDict()  # seq_id -> (KV, cached tokens)
-        self.generators: dict[str, torch.Generator] = {}
 
     def propose_async(self, requests: list[DraftRequest]) -> Future:
         if self.stream is None:
@@ -78,7 +77,6 @@ class ModelDrafter(Drafter):
     def release(self, seq_ids: list[str]) -> None:
         for sid in seq_ids:
             st = self.state.pop(sid, None)
-            self.generators.pop(sid, None)
             if st is not None:
                 self.kv.close(st[0])
 
@@ -100,7 +98,7 @@ class ModelDrafter(Drafter):
 
     def _evict(self, keep: set[str]) -> bool:
         """Drop the KV of the least recently used sequence outside `keep` (not its sampling
-        stream: a seeded sequence drafts the same whether or not its KV was evicted)."""
+        draws: a seeded sequence drafts the same whether or not its KV was evicted)."""
         victim = next((s for s in self.state if s not in keep), None)
         if victim is not None:
             self.kv.close(self.state.pop(victim)[0])
@@ -149,10 +147,7 @@ class ModelDrafter(Drafter):
                 out[r.seq_id][1].extend([t] for t in d)
                 out[r.seq_id][2].extend([1.0] for _ in d)
         else:
-            # a row's generator is made on its first sampled draft (seeded: the same stream)
-            gens = [self.generators.get(r.seq_id) or self.generators.setdefault(
-                r.seq_id, draft_generator(r.params.seed, logits.device)) for r in reqs]
-            drafts = self._sampled_chain(reqs, kv_rows, lens, logits, gens, out)
+            drafts = self._sampled_chain(reqs, kv_rows, lens, logits, out)
         for b, r in enumerate(reqs):
             cached = r.token_ids + drafts[b][:-1]  # the last draft was never fed
             self.state[r.seq_id] = (handles[r.seq_id], cached[: lens[b]])
@@ -190,24 +185,21 @@ class ModelDrafter(Drafter):
                 at += 1
         return drafts
 
-    def _sampled_chain(self, reqs, kv_rows, lens, logits, gens, out) -> list[list[int]]:
+    def _sampled_chain(self, reqs, kv_rows, lens, logits, out) -> list[list[int]]:
         """Each row samples from its top-K-truncated distribution by the inverse CDF of one
-        uniform from its own generator (on the device: reproducible for a seed, no host round
-        trip a row); greedy rows take the argmax. One copy to the host a draft step."""
+        uniform keyed by its seed and the draft's position (draft_uniforms, on the device: no
+        host round trip a row); greedy rows take the argmax. One copy to the host a draft step."""
         drafts: list[list[int]] = [[] for _ in reqs]
-        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
+        dev = logits.device
+        greedy = torch.tensor([r.params.greedy for r in reqs], device=dev)
+        keys = torch.tensor(draft_keys(reqs), device=dev)
+        at = torch.tensor([len(r.token_ids) for r in reqs], device=dev)  # the first draft's position
         for step in range(max(r.k for r in reqs)):
             probs = target_probs(logits, [r.params for r in reqs])
             top_p, top_i = probs.topk(min(TOPK, probs.shape[-1]), dim=-1)
             top_p = top_p / top_p.sum(-1, keepdim=True)
             live = [b for b, r in enumerate(reqs) if step < r.k]
-            u = torch.zeros(len(reqs), device=logits.device)
-            for b in live:
-                if not reqs[b].params.greedy:
-                    u[b:b + 1].uniform_(generator=gens[b])
-            # the first index whose cumulative probability passes u, never one of probability 0
-            last = (top_p > 0).sum(-1) - 1
-            j = torch.minimum((top_p.cumsum(-1) <= u[:, None]).sum(-1), last).masked_fill(greedy, 0)
+            j = pick(top_p, draft_uniforms(keys, at + step)).masked_fill(greedy, 0)
             tok_h, ids_h, ps_h = (t.tolist() for t in (top_i.gather(-1, j[:, None])[:, 0], top_i, top_p))
             for b in live:
                 if reqs[b].params.greedy:
