@@ -202,23 +202,25 @@ def part_8b() -> None:
         check(name, lambda d=drafter, g=g: greedy_run(e, PROMPTS, SpecParams("fixed", g), d))
 
     def sampled():
-        """Seeded rows at temperature 0.8, plain and gamma 4 (draft model): their draws are
-        keyed by seed and position (cluster.engine.draws), the hash gives on the GPU what it
-        gives on the host, and the same seeds give the same tokens twice. Prefix caching off
-        here: a second run's prompt hits would compute the last prompt positions alone, whose
-        bf16 logits differ from a whole prefill's in the last bits, enough to move a sampled
-        token now and then (the draws are not at fault)."""
+        """Seeded rows at temperature 0.8, plain and gamma 4 (draft model): their draws come
+        from each request's generator on the device, and the same seeds give the same tokens
+        twice. Prefix caching off here: a second run's prompt hits would compute the last
+        prompt positions alone, whose bf16 logits differ from a whole prefill's in the last
+        bits, enough to move a sampled token now and then (the draws are not at fault)."""
         from cluster.bench.workloads import code_prompts
-        from cluster.engine import draws
 
         prompts = [e.tokenizer.encode(t)[:200] for t in code_prompts(16, chars=2000, seed=9)]
         params = [SamplingParams(max_tokens=48, temperature=0.8, seed=i, ignore_eos=True) for i in range(16)]
-        device = e.kv.tables.device
+        sid = e.add_request(prompts[0], params[0], SpecParams("off"))
+        device = str(e.seqs[sid].generator.device)
+        e.abort(sid)
+        need(device == str(e.kv.tables.device), f"a request's generator is on {device}")
+        from cluster.engine.drafters.base import draft_uniforms
+
         keys, at = torch.randint(0, 2**63 - 1, (4096,)), torch.randint(0, 2**20, (4096,))
-        for use in (draws.DRAFT, draws.ACCEPT, draws.TOKEN):  # int64 products wrap there as on the host
-            need(torch.equal(draws.uniforms(keys.to(device), at.to(device), use).cpu(), draws.uniforms(keys, at, use)),
-                 "draws hash differently on the GPU")
-        out = {"device": str(device)}
+        need(torch.equal(draft_uniforms(keys.to(device), at.to(device)).cpu(), draft_uniforms(keys, at)),
+             "draft draws hash differently on the GPU")  # int64 products wrap there as on the host
+        out = {"generator_device": device}
         for name, spec, d in (("plain", SpecParams("off"), None), ("gamma4", SpecParams("fixed", 4), "model")):
             t = time.perf_counter()
             e.kv.pool.prefix_caching = False

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.draws import key_of
 from cluster.engine.distributed.ranks import ParallelRunner
 from cluster.engine.drafters.base import Drafter, DraftOutput
 from cluster.engine.generate import from_pretrained, run_to_completion
@@ -144,7 +143,8 @@ class Engine:
         if sid in self.seqs:
             raise InvalidRequest(f"request id {sid!r} is already in flight")
         seq = Sequence(sid, ids, params, spec, drafter)
-        seq.key = key_of(params.seed)  # every draw of the request's: cluster.engine.draws
+        seq.generator = torch.Generator(self.kv.tables.device).manual_seed(  # draws stay on the device
+            params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
         seq.detok = Detokenizer(self.tokenizer, params.stop)
         self.scheduler.add(seq)
         self.seqs[sid] = seq
@@ -312,7 +312,7 @@ class Engine:
 
     @staticmethod
     def _acceptance(seqs: list[Sequence], logits: torch.Tensor, drafts: DraftOutput) -> Accepted:
-        return accept(logits, [s.params for s in seqs], [s.key for s in seqs], [len(s.token_ids) for s in seqs], drafts)
+        return accept(logits, [s.params for s in seqs], [s.generator for s in seqs], drafts)
 
     def _accept(self, seqs: list[Sequence], new: list[list[int]], num_draft: list[int],
                 logprobs: list | None = None) -> list[Sequence]:

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.engine.draws import inverse_cdf
 from cluster.engine.logprobs import MAX_LOGPROBS
 
 MAX_STOP, MAX_STOP_CHARS = 16, 128
@@ -98,7 +97,7 @@ def rejection_sample(
     draft_probs: torch.Tensor,   # [B, G, V] proposal q each draft was sampled from
     target_probs: torch.Tensor,  # [B, G+1, V] target p; row j: next-token dist after draft j
     uniform: torch.Tensor,       # [B, G] U[0, 1) for the accept tests
-    u_token: torch.Tensor,       # [B, G+1] U[0, 1) for the one resample/bonus draw, by where it falls
+    noise: torch.Tensor,         # [B, V] Exp(1) noise for the one resample/bonus draw
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Leviathan et al. speculative sampling, batched. Returns (out [B, G+1], num_accepted [B]).
 
@@ -126,7 +125,7 @@ def rejection_sample(
         # mass is 0 only when p == q, where the draft is accepted surely; keep p as a guard
         residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
         p = torch.where(rejected[:, None], residual, p)
-    token = inverse_cdf(p, u_token[rows, num_acc])
+    token = (p / noise).argmax(-1)  # exponential race: a draw from p
     out = torch.where(torch.arange(G + 1, device=ids.device)[None, :] < num_acc[:, None],
                       torch.cat([draft_ids, draft_ids.new_full((B, 1), -1)], 1), -1)
     out[rows, num_acc] = token

@@ -128,7 +128,9 @@ async def stream_outputs(verifier, call: GenerateCall, failover_wait_s: float = 
 
 def continuation(call: GenerateCall, emitted: list[int]) -> GenerateCall:
     """`call` resumed after `emitted` tokens: they join the prompt and leave max_tokens. A
-    seeded request keeps its seed: its draws are keyed by token position
-    (cluster.engine.draws), so it goes on with the numbers the broken call would have used."""
+    seeded request moves to a stream of its own: restarted at its seed it would reuse the
+    draws of its first tokens, tying the tokens after the seam to those before it."""
     params = replace(call.params, max_tokens=call.params.max_tokens - len(emitted))
+    if params.seed is not None:
+        params = replace(params, seed=(params.seed + 1_000_003 * len(emitted)) % 2**63)
     return replace(call, prompt_ids=call.prompt_ids + emitted, params=params)

@@ -95,10 +95,11 @@ def test_sampled_walk_keeps_the_target_distribution(first):
                       [0.2, 0.2, 0.2, 0.2, 0.1, 0.1],     # at node 1 (token 1)
                       [1 / 6] * 6], dtype=torch.float64)  # at node 2
     parents, tokens = [-1, -1, 0], [first, 1, 2]
+    gen = torch.Generator().manual_seed(first)
     params = SamplingParams(temperature=1.0)
     emitted = []
-    for i in range(n):  # each walk a request of its own: key i (its seed), drawn from position 7 on
-        path, tok = accept_tree(parents, tokens, p.float().log(), params, first * n + i, 7)
+    for _ in range(n):
+        path, tok = accept_tree(parents, tokens, p.float().log(), params, gen)
         emitted.append([tokens[i] for i in path] + [tok])
     firsts = torch.tensor([e[0] for e in emitted])
     assert chisquare(torch.bincount(firsts, minlength=V).double(), p[0] * n).pvalue > 1e-4

@@ -22,7 +22,7 @@ def _draw(p, q, n, g, seed):
     drafts = torch.multinomial(q.expand(n, V), g, replacement=True, generator=gen)
     out, num_acc = rejection_sample(
         drafts, torch.full((n,), g), q.expand(n, g, V), p.expand(n, g + 1, V),
-        torch.rand(n, g, generator=gen), torch.rand(n, g + 1, generator=gen))
+        torch.rand(n, g, generator=gen), torch.empty(n, V).exponential_(generator=gen))
     return out, num_acc
 
 
@@ -60,7 +60,7 @@ def test_greedy_rows_accept_exactly_the_argmax_prefix():
     logits = torch.tensor([[0.0, 5, 1, 0], [3, 0, 0, 1], [0, 0, 0, 9]])
     p = target_probs(logits, [SamplingParams(temperature=0)], rows_per_param=3).view(1, 3, 4)
     q = torch.nn.functional.one_hot(torch.tensor([[1, 2]]), 4).float()
-    out, n = rejection_sample(torch.tensor([[1, 2]]), torch.tensor([2]), q, p, torch.rand(1, 2), torch.rand(1, 3))
+    out, n = rejection_sample(torch.tensor([[1, 2]]), torch.tensor([2]), q, p, torch.rand(1, 2), torch.ones(1, 4))
     assert n.tolist() == [1] and out.tolist() == [[1, 0, -1]]  # draft 1 matches argmax, then argmax 0
 
 
@@ -70,7 +70,7 @@ def test_zero_drafts_is_plain_sampling():
     n = 30_000
     out, _ = rejection_sample(torch.empty(n, 0, dtype=torch.long), torch.zeros(n, dtype=torch.long),
                               torch.empty(n, 0, 3), p.expand(n, 1, 3), torch.empty(n, 0),
-                              torch.rand(n, 1, generator=gen))
+                              torch.empty(n, 3).exponential_(generator=gen))
     counts = torch.bincount(out[:, 0], minlength=3).double()
     assert chisquare(counts, torch.tensor([0.1, 0.2, 0.7], dtype=torch.float64) * n).pvalue > 1e-4
 

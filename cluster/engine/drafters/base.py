@@ -15,13 +15,13 @@ draft came from, which is what rejection sampling needs.
 from __future__ import annotations
 
 import abc
+import random
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from cluster.engine.draws import DRAFT, key_of, uniforms
 from cluster.engine.sampling import SamplingParams
 
 TOPK = 32  # support kept for sampled proposals; greedy proposals are one-hot
@@ -103,15 +103,33 @@ def empty_rows(tokens: list[list[int]], ids: list, probs: list) -> tuple[list[np
 
 
 def draft_keys(requests: list[DraftRequest]) -> list[int]:
-    """Each row's key for its draft draws: that of its seed (cluster.engine.draws.key_of)."""
-    return [key_of(r.params.seed) for r in requests]
+    """Each row's key for its draft draws (draft_uniforms): its seed, or for an unseeded row a
+    fresh random key each call (its draws need only be independent of everything before)."""
+    return [r.params.seed % 2**63 if r.params.seed is not None else random.getrandbits(63) for r in requests]
+
+
+_GOLDEN, _M1, _M2 = (c - 2**64 for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
+    return (x >> s) & ((1 << (64 - s)) - 1)  # a logical shift: torch's >> keeps int64's sign
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 (multiplication wraps as uint64's does)."""
+    x = x + _GOLDEN
+    x = (x ^ _lsr(x, 30)) * _M1
+    x = (x ^ _lsr(x, 27)) * _M2
+    return x ^ _lsr(x, 31)
 
 
 def draft_uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One uniform a row for the draft at `positions` (absolute token positions): a hash of
-    (key, position), so a seeded row drafts the same tokens whichever drafter instance serves
-    it and whether or not a look-ahead drafted its positions first (cluster.engine.draws)."""
-    return uniforms(keys, positions, DRAFT)
+    """One uniform in [0, 1) a row for the draft at `positions` (absolute token positions,
+    int64), a hash of (key, position) rather than a draw from a stream. So a seeded row drafts
+    the same tokens whichever drafter instance serves it and whether or not a look-ahead
+    drafted its positions first. Lossless: a position's draft is tested at most once (it is
+    then accepted or replaced), and a number is reused only by drafts that were never tested."""
+    return _lsr(_mix(_mix(keys) + positions), 40).float() / 2**24
 
 
 def pick(top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,7 @@ class Sequence:
     num_cached: int = 0              # tokens whose KV is in the cache
     finish_reason: str | None = None
     sent_tokens: int = 0             # output tokens already streamed
-    key: int = 0                     # its draws' key (cluster.engine.draws.key_of)
+    generator: torch.Generator | None = None
     stats: SeqStats = field(default_factory=SeqStats)
     # (len(token_ids) when taken, the target's last hidden state [D] there): kept only while a
     # drafter reads hidden states (Drafter.reads_hidden), and only fresh while the length still matches

@@ -7,26 +7,24 @@ takes a shortcut with the same result: a one-hot target accepts drafts while the
 argmax and adds the argmax at the first miss, with no vocabulary-sized tensors.
 
 A tree row (see cluster.engine.worker.tree for its layout) is walked from the root: at each node
-the target's token there is drawn exactly as plain decoding draws it (the argmax, or a draw
-by the uniform of the request's key at that depth's position); if a child holds that token the walk moves
+the target's token there is drawn exactly as plain decoding draws it (the argmax, or an
+exponential race with the request's generator); if a child holds that token the walk moves
 on, otherwise the token ends the step. Each emitted token is thus a draw from the target
 given the tokens before it, whatever the tree held. (It is recursive rejection sampling over
 siblings with one-hot proposals: a candidate is accepted with probability p(candidate).)
 
-Randomness comes only from each request's key and the positions involved
-(cluster.engine.draws), so a seed reproduces its output; the whole batch's numbers are a few
-vector operations on the device, and a sampled row's token is drawn by the inverse CDF of one
-of them (where a generator a row cost two launches a row a step and a 128k Exp(1) vector each).
+Randomness comes only from each request's own generator, so a seed reproduces its output.
+The engine makes it on its device: a sampled row's Exp(1) vector over the vocabulary (128k
+values at Llama-3 size) is drawn there by one kernel, where a CPU generator drew it on the
+host and copied it over, row by row, every step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from cluster.engine import draws
 from cluster.engine.drafters.base import DraftOutput
 from cluster.engine.sampling import SamplingParams, rejection_sample, target_probs
 
@@ -41,11 +39,9 @@ class Accepted:
         return self.paths[b][-1] + 1 if self.paths[b] else 0
 
 
-def accept(logits: torch.Tensor, params: list[SamplingParams], keys: list[int], starts: list[int],
+def accept(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
            drafts: DraftOutput) -> Accepted:
-    """logits [B, T, V] fp32 at each row's fed positions ([last token] + drafts) -> Accepted.
-    keys: each row's key (draws.key_of); starts: each row's length, the position of its first
-    draft (or of its next token)."""
+    """logits [B, T, V] fp32 at each row's fed positions ([last token] + drafts) -> Accepted."""
     trees = drafts.parents or [None] * len(params)
     chain = [b for b, t in enumerate(trees) if t is None]
     tokens: list[list[int]] = [[] for _ in params]
@@ -55,18 +51,18 @@ def accept(logits: torch.Tensor, params: list[SamplingParams], keys: list[int], 
         none = [None] * len(params)  # rows with no drafts carry no proposals
         q = ([(drafts.q_ids or none)[b] for b in chain], [(drafts.q_probs or none)[b] for b in chain])
         rows = logits if len(chain) == len(params) else logits[chain]
-        for b, toks in zip(chain, _accept_chains(rows, [params[b] for b in chain], [keys[b] for b in chain],
-                                                 [starts[b] for b in chain], sub, *q)):
+        for b, toks in zip(chain, _accept_chains(rows, [params[b] for b in chain], [generators[b] for b in chain],
+                                                 sub, *q)):
             tokens[b], paths[b] = toks, list(range(len(toks) - 1))
     for b, parents in enumerate(trees):
         if parents is not None:
             nodes = drafts.tokens[b]
-            path, token = accept_tree(parents, nodes, logits[b, : len(nodes) + 1], params[b], keys[b], starts[b])
+            path, token = accept_tree(parents, nodes, logits[b, : len(nodes) + 1], params[b], generators[b])
             tokens[b], paths[b] = [nodes[i] for i in path] + [token], path
     return Accepted(tokens, paths)
 
 
-def _accept_chains(logits, params, keys, starts, drafts, q_ids, q_probs) -> list[list[int]]:
+def _accept_chains(logits, params, generators, drafts, q_ids, q_probs) -> list[list[int]]:
     B, vocab = len(params), logits.shape[-1]
     G = max((len(t) for t in drafts), default=0)
     dev = logits.device
@@ -79,24 +75,24 @@ def _accept_chains(logits, params, keys, starts, drafts, q_ids, q_probs) -> list
         num_acc = (best[:, :G] == padded).int().cumprod(-1).sum(-1).tolist()
         return [row[: n + 1] for row, n in zip(best.tolist(), num_acc)]
     p = target_probs(logits[:, : G + 1].reshape(-1, vocab), params, G + 1).view(B, G + 1, vocab)
-    # every row's proposals in one array each, one copy to the device, one scatter into q
-    width = max((q_ids[b].shape[1] for b, t in enumerate(drafts) if t), default=1)
-    ids = np.zeros((B, G, width), np.int64)
-    probs = np.zeros((B, G, width), np.float32)
-    draft_ids = np.full((B, G), -1, np.int64)
+    q = torch.zeros((B, G, vocab), device=dev)
+    draft_ids = torch.full((B, G), -1, dtype=torch.int64)
     for b, t in enumerate(drafts):
         if t:
-            n, k = len(t), q_ids[b].shape[1]
-            draft_ids[b, :n], ids[b, :n, :k], probs[b, :n, :k] = t, q_ids[b][:n], q_probs[b][:n]
-    q = torch.zeros((B, G, vocab), device=dev).scatter_add_(
-        -1, torch.from_numpy(ids).to(dev), torch.from_numpy(probs).to(dev))
-    # greedy rows are one-hot and need no randomness: accept iff p(d) > 0, i.e. d is the argmax
-    key = torch.tensor(keys, device=dev)[:, None]
-    at = torch.tensor(starts, device=dev)[:, None] + torch.arange(G + 1, device=dev)
-    uniform = draws.uniforms(key, at[:, :G], draws.ACCEPT)
-    u_token = draws.uniforms(key, at, draws.TOKEN)  # the drawn token's position is the start + accepted drafts
+            draft_ids[b, : len(t)] = torch.tensor(t)
+            ids = torch.as_tensor(q_ids[b][: len(t)], dtype=torch.int64, device=dev)
+            q[b, : len(t)].scatter_add_(-1, ids, torch.as_tensor(q_probs[b][: len(t)], device=dev))
+    # greedy rows are one-hot and need no randomness: accept iff p(d) > 0, i.e. d is the argmax.
+    # A row draws for its own drafts only, so its stream does not depend on its batch.
+    uniform = torch.zeros((B, G), device=dev)
+    noise = torch.ones((B, vocab), device=dev)
+    for b, (sp, gen, t) in enumerate(zip(params, generators, drafts)):
+        if not sp.greedy:
+            uniform[b, : len(t)].uniform_(generator=gen)  # in place: the generator is on the device
+            noise[b].exponential_(generator=gen)
+    noise.clamp_(min=1e-20)
     num_draft = torch.tensor([len(t) for t in drafts], device=dev)
-    out, num_acc = rejection_sample(torch.from_numpy(draft_ids).to(dev), num_draft, q, p, uniform, u_token)
+    out, num_acc = rejection_sample(draft_ids.to(dev), num_draft, q, p, uniform, noise)
     return [row[: n + 1] for row, n in zip(out.tolist(), num_acc.tolist())]
 
 
@@ -117,16 +113,17 @@ def walk(parents: list[int], tokens: list[int], token_at) -> tuple[list[int], in
 
 
 def accept_tree(parents: list[int], tokens: list[int], logits: torch.Tensor, params: SamplingParams,
-                key: int, start: int) -> tuple[list[int], int]:
-    """logits [n+1, V] at [root] + nodes -> (accepted path, next token). The token at each
-    visited node is drawn as a plain decoding step draws it: by the uniform of the row's key at
-    that node's position (start + its depth; the walk visits one node a depth)."""
+                generator: torch.Generator) -> tuple[list[int], int]:
+    """logits [n+1, V] at [root] + nodes -> (accepted path, next token). Draws one Exp(1)
+    vector per visited node, as a plain decoding step does."""
     if params.greedy:
         best = logits.argmax(-1).tolist()
         return walk(parents, tokens, best.__getitem__)
     probs = target_probs(logits, [params], logits.shape[0])
-    depth = [0] * (len(parents) + 1)  # by feed index: the root is 0
-    for i, par in enumerate(parents):
-        depth[i + 1] = depth[par + 1] + 1
-    u = draws.uniforms(torch.tensor(key), torch.tensor([start + d for d in depth]), draws.TOKEN).to(probs.device)
-    return walk(parents, tokens, lambda i: int(draws.inverse_cdf(probs[i:i + 1], u[i:i + 1])[0]))
+    vocab = probs.shape[-1]
+
+    def race(i: int) -> int:
+        noise = torch.empty(vocab, device=probs.device).exponential_(generator=generator).clamp_(min=1e-20)
+        return int((probs[i] / noise).argmax())  # exponential race: a draw from probs[i]
+
+    return walk(parents, tokens, race)

@@ -17,7 +17,7 @@ covered whatever else changed:
   the next launch with its first token from the host: a launch is never thrown away for it.
 Only a step none of whose rows the launch covered runs afresh. Greedy rows only: a sampled
 row's token comes back from acceptance to the host, so its next input is not known on the
-device ahead of time (its draws need no host: cluster.engine.draws). Nothing
+device ahead of time (its draws already are on the device: its generator lives there). Nothing
 is launched ahead from the first plain step after a speculative one: a controller probing
 gamma 0 for one step would otherwise throw away a whole forward pass each time.
 """
