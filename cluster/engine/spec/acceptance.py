@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cluster.engine.drafters.base import DraftOutput
@@ -75,13 +76,18 @@ def _accept_chains(logits, params, generators, drafts, q_ids, q_probs) -> list[l
         num_acc = (best[:, :G] == padded).int().cumprod(-1).sum(-1).tolist()
         return [row[: n + 1] for row, n in zip(best.tolist(), num_acc)]
     p = target_probs(logits[:, : G + 1].reshape(-1, vocab), params, G + 1).view(B, G + 1, vocab)
-    q = torch.zeros((B, G, vocab), device=dev)
-    draft_ids = torch.full((B, G), -1, dtype=torch.int64)
+    # every row's proposals in one array each: one copy to the device and one scatter into q
+    # (a copy each and a scatter a row cost ~4 ms a step at 64 rows on an H100)
+    width = max((q_ids[b].shape[1] for b, t in enumerate(drafts) if t), default=1)
+    ids = np.zeros((B, G, width), np.int64)
+    probs = np.zeros((B, G, width), np.float32)
+    draft_ids = np.full((B, G), -1, np.int64)
     for b, t in enumerate(drafts):
         if t:
-            draft_ids[b, : len(t)] = torch.tensor(t)
-            ids = torch.as_tensor(q_ids[b][: len(t)], dtype=torch.int64, device=dev)
-            q[b, : len(t)].scatter_add_(-1, ids, torch.as_tensor(q_probs[b][: len(t)], device=dev))
+            n, k = len(t), q_ids[b].shape[1]
+            draft_ids[b, :n], ids[b, :n, :k], probs[b, :n, :k] = t, q_ids[b][:n], q_probs[b][:n]
+    q = torch.zeros((B, G, vocab), device=dev).scatter_add_(
+        -1, torch.from_numpy(ids).to(dev), torch.from_numpy(probs).to(dev))
     # greedy rows are one-hot and need no randomness: accept iff p(d) > 0, i.e. d is the argmax.
     # A row draws for its own drafts only, so its stream does not depend on its batch.
     uniform = torch.zeros((B, G), device=dev)
@@ -92,7 +98,7 @@ def _accept_chains(logits, params, generators, drafts, q_ids, q_probs) -> list[l
             noise[b].exponential_(generator=gen)
     noise.clamp_(min=1e-20)
     num_draft = torch.tensor([len(t) for t in drafts], device=dev)
-    out, num_acc = rejection_sample(draft_ids.to(dev), num_draft, q, p, uniform, noise)
+    out, num_acc = rejection_sample(torch.from_numpy(draft_ids).to(dev), num_draft, q, p, uniform, noise)
     return [row[: n + 1] for row, n in zip(out.tolist(), num_acc.tolist())]
 
 
