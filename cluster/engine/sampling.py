@@ -130,4 +130,3 @@ def rejection_sample(
                       torch.cat([draft_ids, draft_ids.new_full((B, 1), -1)], 1), -1)
     out[rows, num_acc] = token
     return out, num_acc.long()
-
