@@ -5,9 +5,9 @@ Llama-3.1-8B dimensions (cluster/engine/worker/embedded.py), bf16, the Hopper co
     bash scripts/gpu_py.sh gpu_scale.py     # writes $OUT/gpu_scale.json
 
 PARTS (comma-separated, default all):
-- sweep: ~640-token code prompts (640 tokens of held-out code, each request its own), 64..192
-  output tokens, c requests in flight over 2c requests (at least 16), plain / fixed gamma 4 / goodput, c in
-  LEVELS (default 1,16,64,128,256). Beside each point the workload's roofline: prefill FLOPs
+- sweep: ~640-token code prompts (640 tokens of held-out code, each request of a level its own),
+  64..192 output tokens, c requests in flight over 2c requests (at least 16), plain / fixed gamma 4 /
+  goodput on the same requests with prefix caching off, c in LEVELS (default 1,16,64,128,256). Beside each point the workload's roofline: prefill FLOPs
   at the measured bf16 matmul rate, plus decode steps that read the weights and every live
   sequence's KV at the measured copy bandwidth. GPU time by pass kind (decode, verify and
   prefill graph replays, drafter replays, eager target passes: `gpu_by_kind`) and host ms per
@@ -111,10 +111,11 @@ def measured(engine, fn) -> tuple[dict, dict]:
 def sweep(engine, R: dict) -> None:
     tok = engine.tokenizer
     levels = [int(x) for x in os.environ.get("LEVELS", "1,16,64,128,256").split(",")]
-    # distinct prompts, as many as the largest level's requests: repeated ones would be prefix
-    # hits and skip the prefill the roofline counts (the runs before this change repeated ~60)
-    # and each run (warm-up, mode) takes fresh ones, so no mode inherits another's cache
-    need = sum(3 * (max(16, 2 * c) + c) for c in levels)
+    # distinct prompts within a level (repeats would skip prefill the roofline counts), and the
+    # same prompts for every mode of a level with prefix caching off, so no mode inherits
+    # another's cache: how well drafts are accepted varies by prompt, and at one stream 16
+    # requests on other prompts measured the prompts, not the policy
+    need = sum(max(16, 2 * c) + c for c in levels)
     distinct: dict[tuple, list[int]] = {}
     for seed in range(11, 40):  # many windows end early (a file's tail): draw until there are enough
         texts = code_prompts(need, chars=4000, seed=seed)
@@ -130,13 +131,14 @@ def sweep(engine, R: dict) -> None:
     lengths = [rng.randint(64, 192) for _ in range(max(16, 2 * max(levels)))]
     controller = make_controller(SpeculationPolicyConfig(mode="goodput"))
     out = R.setdefault("sweep", [])
+    caching, engine.kv.pool.prefix_caching = engine.kv.pool.prefix_caching, False
     for c in levels:
         n = max(16, 2 * c)
         point = {"concurrency": c, "requests": n, "roofline_tokens_per_s": roofline([640] * n, lengths[:n], c, R)}
+        warm, reqs = take(c), take(n)
         for name, spec in (("off", SpecParams("off")), ("fixed4", SpecParams("fixed", 4)), ("goodput", SpecParams("auto"))):
             engine.controller = controller if name == "goodput" else None
-            run_engine(engine, take(c), c, lengths[:c], spec, temp)  # warm-up (and the controller)
-            reqs = take(n)
+            run_engine(engine, warm, c, lengths[:c], spec, temp)  # warm-up (and the controller)
             trace: list = []  # per step: batch, gamma, drafted, accepted, step ms (the controller's inputs)
             engine.on_verify = lambda o: trace.append(  # noqa: B023 - read before the next mode
                 (o.batch_size, o.gamma, o.drafted, sum(o.accepted_per_position), round(1e3 * o.step_s, 2)))
@@ -158,6 +160,7 @@ def sweep(engine, R: dict) -> None:
                          for k, v in point.items()},
             "host ms/step", {m: round(point[m]["host_ms_per_step"], 2) for m in ("off", "fixed4", "goodput")})
         write(R)
+    engine.kv.pool.prefix_caching = caching
 
 
 def capacity(engine, R: dict) -> None:
