@@ -20,6 +20,8 @@ PARTS (comma-separated, default all):
   segments (cluster.engine.worker.runner.RAGGED): a same-machine before/after.
 - TEMPERATURE=0.8 samples the sweep's requests at that temperature (greedy by default): the
   draws of sampled rows, and plain steps that cannot launch ahead (greedy rows only).
+- PROFILE=1 adds, per level, a fixed gamma-4 run of the same requests under cProfile
+  (OUT/profile_<c>.txt: the top functions by own and cumulative time).
 - prefix: a shared 2k-token prompt: TTFT of requests whose prefix is cached against requests
   with a fresh prefix, one at a time.
 """
@@ -151,6 +153,8 @@ def sweep(engine, R: dict) -> None:
                 point[name]["controller"] = controller.snapshot()
                 point[name]["trace"] = trace
         engine.controller = None
+        if os.environ.get("PROFILE") == "1":  # an extra fixed-gamma-4 run under cProfile: where host time goes
+            profile(engine, lambda: run_engine(engine, reqs, c, lengths[:n], SpecParams("fixed", 4), temp), c)
         best = max(point["off"]["tokens_per_s"], point["fixed4"]["tokens_per_s"])
         point["off_over_roofline"] = point["off"]["tokens_per_s"] / point["roofline_tokens_per_s"]
         point["goodput_over_best"] = point["goodput"]["tokens_per_s"] / best
@@ -161,6 +165,26 @@ def sweep(engine, R: dict) -> None:
             "host ms/step", {m: round(point[m]["host_ms_per_step"], 2) for m in ("off", "fixed4", "goodput")})
         write(R)
     engine.kv.pool.prefix_caching = caching
+
+
+def profile(engine, fn, c: int) -> None:
+    """cProfile of `fn` (its figures are not the sweep's: the profiler slows every Python call),
+    the top functions by own and by cumulative time to OUT/profile_<c>.txt."""
+    import cProfile
+    import io
+    import pstats
+
+    from cluster.bench.harness import OUT
+
+    prof = cProfile.Profile()
+    steps0 = engine.totals["steps"]
+    prof.runcall(fn)
+    text = io.StringIO()
+    print(f"{engine.totals['steps'] - steps0} steps at {c} streams, fixed gamma 4", file=text)
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(45)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"profile_{c}.txt").write_text(text.getvalue())
 
 
 def capacity(engine, R: dict) -> None:

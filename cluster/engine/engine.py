@@ -232,7 +232,7 @@ class Engine:
                 ) -> tuple[list[Sequence], StepObservation]:
         """Draft, one target pass, acceptance: over verify rows, and over prompt chunks in the
         same pass where the scheduler mixed them in (eager: no CUDA graph covers a mixed pass).
-        Greedy plain rows on CUDA graphs run a step ahead instead (cluster.engine.worker.pipeline)."""
+        Plain rows on CUDA graphs run a step ahead instead (cluster.engine.worker.pipeline)."""
         seqs = [s for s, _ in rows]
         graphs = self._graphs_captured()
         t0 = time.perf_counter()
@@ -295,7 +295,7 @@ class Engine:
         return sum(len(r.graphs.graphs) for r in runners if getattr(r, "graphs", None) is not None)
 
     def _pipelined(self, seqs: list[Sequence], drafts: DraftOutput) -> bool:
-        """Greedy plain decoding on CUDA graphs runs a step ahead (cluster.engine.worker.pipeline);
+        """Plain decoding on CUDA graphs runs a step ahead (cluster.engine.worker.pipeline);
         not where a row needs what that path keeps none of: logits (logprobs), or the target's
         hidden or aux states (a drafter that reads them)."""
         return (self.pipeline is not None and not any(drafts.tokens) and self.pipeline.eligible(seqs)

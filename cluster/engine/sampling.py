@@ -91,6 +91,22 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams], rows_per_pa
     return probs
 
 
+def draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
+    """One token a row from the target at `logits` [B, V], on the device ([B] int64): the argmax
+    for greedy rows, an exponential race with the row's own generator (one Exp(1) vector a row
+    a token) for sampled ones. Plain steps draw with it whether the host waits for them or
+    they run a step ahead (cluster.engine.worker.pipeline), so a seed gives the same tokens
+    either way."""
+    if all(p.greedy for p in params):
+        return logits.argmax(-1)
+    probs = target_probs(logits, params)
+    noise = torch.ones_like(probs)
+    for b, (sp, gen) in enumerate(zip(params, generators)):
+        if not sp.greedy:
+            noise[b].exponential_(generator=gen)  # in place: the generator is on the device
+    return (probs / noise.clamp_(min=1e-20)).argmax(-1)
+
+
 def rejection_sample(
     draft_ids: torch.Tensor,     # [B, G] int64, -1 past each row's num_draft
     num_draft: torch.Tensor,     # [B] int64

@@ -289,7 +289,7 @@ class GoodputController(_Base):
         if (self.plain_runs_ahead and self._last and self._correction(b, False) is None
                 and self._steps - self._zero_probed.get(k, -MEASURED_FOR) > MEASURED_FOR):
             # Speculating where plain decoding's cost at this load is only modelled: measure
-            # it (once per MEASURED_FOR steps: plain steps of sampled rows never run ahead).
+            # it (once per MEASURED_FOR steps: plain steps of rows asking for logprobs never run ahead).
             self._zero_probed[k] = self._steps
             self._zero_hold = 2
             self._charged(3)

@@ -132,3 +132,53 @@ def test_a_launch_ahead_survives_preemption(random_models, tokenizer):
     assert tight.scheduler.preemptions > 0 and tight.pipeline.hits > 0 and tight.pipeline.dropped_rows > 0
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in roomy]
     assert tight.kv.held() == (0, 0) and not tight.seqs
+
+
+def test_sampled_rows_run_ahead_with_their_seeds_tokens(engines):
+    """Seeded sampled rows (temperature, top-p, top-k) run a step ahead and give plain stepping's
+    tokens: through finishes, an abort, a late arrival, and a speculative row whose steps drop
+    every launch (each dropped draw sets its row's generator back)."""
+    off = SpecParams("off")
+    sampled = lambda n, seed, **kw: SamplingParams(max_tokens=n, temperature=0.8, seed=seed, ignore_eos=True, **kw)  # noqa: E731
+    script = {
+        0: [("add", "def f(x):\n    return", sampled(40, 1), off),
+            ("add", "abcabc", sampled(9, 2, top_p=0.9), off),
+            ("add", "hello there", sampled(30, 3, top_k=20), off),
+            ("add", "zzz", SamplingParams(max_tokens=30, ignore_eos=True), off)],  # greedy beside them
+        6: [("add", "the quick brown fox", sampled(20, 4, stop=["o"]), off)],  # arrives mid-run
+        11: [("abort", 3)],
+        16: [("add", "x = [1, 2", SamplingParams(max_tokens=6, ignore_eos=True), SpecParams("fixed", 3))],
+    }
+    plain, piped = (run(e, script) for e in engines)
+    p = engines[1].pipeline
+    hits, dropped = p.hits, p.dropped_rows
+    assert piped == plain and all(piped.values())
+    assert hits > 10 and dropped >= 3  # sampled rows ran ahead, and launches were dropped under them
+    for e in engines:
+        assert e.kv.held() == (0, 0) and not e.seqs
+
+
+def test_sampled_rows_run_ahead_through_preemption(random_models, tokenizer):
+    """Preempted sampled rows had draws launched for them: set back, their recomputed rows draw
+    what roomy plain stepping drew."""
+    from cluster.engine.scheduling.kv_cache import block_bytes
+
+    prompts = ["def f(x):\n    return", "abcabc", "hello there", "zzz", "the quick brown fox", "x = [1, 2"]
+    params = [SamplingParams(max_tokens=40, temperature=0.9, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    roomy = make_engine(random_models, tokenizer, False)
+    expected = [roomy.generate([p], q, SpecParams("off"))[0]["token_ids"] for p, q in zip(prompts, params)]
+    target = load_model(random_models["llama"], torch.float32, "cpu")
+    s = target.shape
+    gb = 40 * block_bytes(s.layers, 4, s.kv_heads, s.head_dim, torch.float32) / 2**30
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=96, block_size=4, max_batch_tokens=64, prefill_chunk=16,
+                       kv_cache_gb=gb)
+    with eager_on_cpu():
+        tight = Engine(target, tokenizer, cfg, {}, None)
+    ids = [tight.add_request(p, q, SpecParams("off")) for p, q in zip(prompts, params)]
+    got: dict[str, list[int]] = {}
+    while tight.has_work:
+        for o in tight.step():
+            got.setdefault(o.seq_id, []).extend(o.token_ids)
+    assert tight.scheduler.preemptions > 0 and tight.pipeline.hits > 0 and tight.pipeline.dropped_rows > 0
+    assert [got[i] for i in ids] == expected
+    assert tight.kv.held() == (0, 0) and not tight.seqs

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from cluster.engine.drafters.base import DraftOutput
-from cluster.engine.sampling import SamplingParams, rejection_sample, target_probs
+from cluster.engine.sampling import SamplingParams, draw, rejection_sample, target_probs
 
 
 @dataclass
@@ -67,10 +67,10 @@ def _accept_chains(logits, params, generators, drafts, q_ids, q_probs) -> list[l
     B, vocab = len(params), logits.shape[-1]
     G = max((len(t) for t in drafts), default=0)
     dev = logits.device
+    if not G:  # plain rows: the draw a step run ahead makes too (cluster.engine.worker.pipeline)
+        return [[t] for t in draw(logits[:, 0], params, generators).tolist()]
     if all(p.greedy for p in params):
         best = logits[:, : G + 1].argmax(-1)
-        if not G:
-            return best.tolist()
         # drafts stand while they equal the argmax: one comparison over the batch, not a loop a row
         padded = torch.tensor([list(t) + [-1] * (G - len(t)) for t in drafts], dtype=torch.int64, device=dev)
         num_acc = (best[:, :G] == padded).int().cumprod(-1).sum(-1).tolist()

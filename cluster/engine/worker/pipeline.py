@@ -1,11 +1,12 @@
-"""Greedy plain-decoding steps run one step ahead on the GPU.
+"""Plain-decoding steps run one step ahead on the GPU.
 
 A decode step's host work (accepting tokens, stop checks, detokenizing, scheduling the next
-step) otherwise leaves the GPU idle between graph replays. Here each step's argmax stays on
-the device and feeds the next step's graph at once, before the host reads this step's tokens,
-so that host work overlaps the next step's weight streaming (SGLang's overlap scheduler and
-vLLM's async scheduling do the same: the next batch's input ids are this batch's sampled ids,
-resolved on the device).
+step) otherwise leaves the GPU idle between graph replays. Here each step's tokens are drawn
+on the device (the argmax, or for a sampled row an exponential race with its generator, which
+lives on the device: `cluster.engine.sampling.draw`) and feed the next step's graph at once,
+before the host reads this step's tokens, so that host work overlaps the next step's weight
+streaming (SGLang's overlap scheduler and vLLM's async scheduling do the same: the next
+batch's input ids are this batch's sampled ids, resolved on the device).
 
 The launched-ahead step assumes every row continues. The next step uses it for the rows it
 covered whatever else changed:
@@ -15,11 +16,12 @@ covered whatever else changed:
   (the next pass that reuses the blocks runs after it on the same stream);
 - a row that joined after the launch (its prompt prefilled meanwhile) waits one step and joins
   the next launch with its first token from the host: a launch is never thrown away for it.
-Only a step none of whose rows the launch covered runs afresh. Greedy rows only: a sampled
-row's token comes back from acceptance to the host, so its next input is not known on the
-device ahead of time (its draws already are on the device: its generator lives there). Nothing
-is launched ahead from the first plain step after a speculative one: a controller probing
-gamma 0 for one step would otherwise throw away a whole forward pass each time.
+Only a step none of whose rows the launch covered runs afresh. A sampled row's launch drew
+from its generator; where that draw is dropped (the row preempted, or the next step run
+another way) the generator is set back, so a seed gives the tokens of plain stepping whatever
+the pipeline did. Nothing is launched ahead from the first plain step after a speculative
+one: a controller probing gamma 0 for one step would otherwise throw away a whole forward
+pass each time.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cluster.engine.sampling import draw
 from cluster.engine.scheduling.sequence import Sequence
 from cluster.engine.worker.attention import device_ints
 
@@ -39,7 +42,13 @@ def _key(seq: Sequence, ahead: int = 0) -> tuple:
 @dataclass
 class _Ahead:
     index: dict[tuple, int]  # (seq_id, table row, cache length) the launch assumed -> its row
-    tokens: torch.Tensor  # [B] int64 on the device: that step's greedy tokens
+    tokens: torch.Tensor  # [B] int64 on the device: that step's drawn tokens
+    # sampled rows: their generator and its state before the launch drew for them
+    states: dict[tuple, tuple[torch.Generator, torch.Tensor]]
+
+
+def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    return draw(logits, [s.params for s in seqs], [s.generator for s in seqs])
 
 
 class DecodePipeline:
@@ -56,20 +65,30 @@ class DecodePipeline:
         self.streak = 0  # plain steps in a row
 
     def interrupt(self) -> None:
-        """A step ran another way (drafts, sampling): drop any launch ahead."""
+        """A step ran another way (drafts, logprobs): drop any launch ahead."""
         if self.ahead is not None:
-            self.dropped_rows += len(self.ahead.index)
+            self._drop(self.ahead, self.ahead.index)
         self.ahead, self.streak = None, 0
 
+    def _drop(self, ahead: _Ahead, keys) -> None:
+        """Launched rows no step will use: a sampled row's generator goes back to before the
+        launch drew for it, so its next token is drawn from the numbers it would have had
+        without the launch (a preempted row resumes; a finished one is gone either way)."""
+        for key in keys:
+            self.dropped_rows += 1
+            if key in ahead.states:
+                gen, state = ahead.states[key]
+                gen.set_state(state)
+
     def eligible(self, seqs: list[Sequence]) -> bool:
-        return self.graphs.eligible(len(seqs), 1) and all(s.params.greedy for s in seqs)
+        return self.graphs.eligible(len(seqs), 1)
 
     @torch.inference_mode()
     def step(self, seqs: list[Sequence], launch_next: bool) -> tuple[list[Sequence], list[list[int]], bool]:
-        """One greedy token per row (each row fed its last token): (the rows that ran, [[t], ...]
-        for them, whether a launch ahead served them); rows that joined after the launch wait
-        for the next one. `launch_next`: start the following step now (False where every row
-        ends here by length)."""
+        """One token per row (each row fed its last token): (the rows that ran, [[t], ...] for
+        them, whether a launch ahead served them); rows that joined after the launch wait for
+        the next one. `launch_next`: start the following step now (False where every row ends
+        here by length)."""
         # the scheduler grew the rows' tables for this step and the one launched ahead: the
         # replays read them on the device (Runner.forward syncs its own passes)
         self.graphs.kv.sync()
@@ -84,16 +103,17 @@ class DecodePipeline:
             if used != list(range(len(ahead.index))):
                 tokens = tokens[device_ints(used, tokens.device)]
             self.hits += 1
-            self.dropped_rows += len(ahead.index) - len(used)
+            kept = set(used)
+            self._drop(ahead, [k for k, i in ahead.index.items() if i not in kept])
             self.deferred_rows += len(wait)
         else:
             if ahead is not None:
-                self.dropped_rows += len(ahead.index)
+                self._drop(ahead, ahead.index)
             run, wait = seqs, []
             self.fresh += 1
             logits, _, _ = self.graphs.forward([s.kv.row for s in seqs], [s.num_cached for s in seqs],
                                                [[s.token_ids[-1]] for s in seqs])
-            tokens = logits[:, 0].argmax(-1)
+            tokens = _draw(logits[:, 0], seqs)
         host = self.host[:len(run)]
         host.copy_(tokens, non_blocking=True)
         self.copied.record()
@@ -103,8 +123,10 @@ class DecodePipeline:
             logits = self.graphs.launch([s.kv.row for s in rows],
                                         [s.num_cached + 1 for s in run] + [s.num_cached for s in wait],
                                         [[0]] * len(run) + [[s.token_ids[-1]] for s in wait], tokens)
+            index = {_key(s, 1): b for b, s in enumerate(run)} | {_key(s): len(run) + b for b, s in enumerate(wait)}
+            states = {key: (rows[b].generator, rows[b].generator.get_state())
+                      for key, b in index.items() if not rows[b].params.greedy}
             self.launched += 1
-            self.ahead = _Ahead({_key(s, 1): b for b, s in enumerate(run)}
-                                | {_key(s): len(run) + b for b, s in enumerate(wait)}, logits[:, 0].argmax(-1))
+            self.ahead = _Ahead(index, _draw(logits[:, 0], rows), states)
         self.copied.synchronize()
         return run, [[t] for t in host.tolist()], hit

@@ -40,7 +40,7 @@ class Runner:
         if model.backend is None:
             model.backend = make_backend(attention, p.device, p.dtype)
         self.graphs = None
-        # the launch-ahead mode (cluster.engine.worker.pipeline): greedy plain decode steps replay
+        # the launch-ahead mode (cluster.engine.worker.pipeline): plain decode steps replay
         # a step early on the graphs; the engine picks the steps that may
         self.ahead = None
         self.warmup: dict | None = None  # what warm_up took, once it ran
