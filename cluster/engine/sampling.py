@@ -61,23 +61,30 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def device_values(xs: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """`xs` as a tensor on `device` without waiting for the GPU: a plain torch.tensor(...,
+    device=) copies from pageable memory, which synchronises the stream (and so waits for a
+    step launched ahead, cluster.engine.worker.pipeline)."""
+    t = torch.tensor(xs, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
+
+
 def target_probs(logits: torch.Tensor, params: list[SamplingParams], rows_per_param: int = 1) -> torch.Tensor:
     """logits: [N, V] -> processed fp32 probabilities [N, V]; row i uses params[i // rows_per_param].
 
     Greedy rows become one-hot on the argmax (ties go to the lowest id, as torch.argmax).
+    Which steps to take is decided from `params` on the host, so nothing here waits for the GPU.
     """
     logits = logits.float()  # CUDA graphs hand over the head's bf16 output
     n, vocab = logits.shape
-    rep = lambda xs, dt: torch.tensor(xs, dtype=dt, device=logits.device).repeat_interleave(rows_per_param)  # noqa: E731
-    greedy = rep([p.greedy for p in params], torch.bool)
+    rep = lambda xs, dt: device_values(xs, dt, logits.device).repeat_interleave(rows_per_param)  # noqa: E731
     if all(p.greedy for p in params):  # one-hot rows only: skip the softmax over the vocabulary
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     temp = rep([p.temperature if p.temperature > 0 else 1.0 for p in params], torch.float32)
-    top_k = rep([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64).clamp(max=vocab)
-    top_p = rep([p.top_p for p in params], torch.float32)
-
     probs = torch.softmax(logits / temp[:, None], dim=-1)
-    if (top_k < vocab).any() or (top_p < 1).any():
+    if any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
+        top_k = rep([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64).clamp(max=vocab)
+        top_p = rep([p.top_p for p in params], torch.float32)
         sorted_p, order = probs.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=logits.device)[None, :]
         # keep a token if it is within top-k and the mass before it is below top-p
@@ -85,7 +92,8 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams], rows_per_pa
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
-    if greedy.any():
+    if any(p.greedy for p in params):
+        greedy = rep([p.greedy for p in params], torch.bool)
         onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], onehot, probs)
     return probs

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cluster.engine.sampling import device_values
 from cluster.engine.scheduling.kv_cache import slot_index
 from cluster.engine.worker import fp8
 
@@ -30,10 +31,8 @@ log = logging.getLogger(__name__)
 
 
 def device_ints(xs: list[int], device) -> torch.Tensor:
-    """int64 tensor on `device` without waiting for the GPU: a plain torch.tensor(..., device=)
-    copies from pageable memory, which synchronises the stream."""
-    t = torch.tensor(xs, dtype=torch.int64)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+    """int64 tensor on `device` without waiting for the GPU (sampling.device_values)."""
+    return device_values(xs, torch.int64, device)
 
 
 @dataclass
