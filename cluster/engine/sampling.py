@@ -61,11 +61,12 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def device_values(xs: list, dtype: torch.dtype, device) -> torch.Tensor:
-    """`xs` as a tensor on `device` without waiting for the GPU: a plain torch.tensor(...,
-    device=) copies from pageable memory, which synchronises the stream (and so waits for a
-    step launched ahead, cluster.engine.worker.pipeline)."""
-    t = torch.tensor(xs, dtype=dtype)
+def device_values(xs, dtype: torch.dtype, device) -> torch.Tensor:
+    """`xs` (a list or a numpy array) as a tensor on `device` without waiting for the GPU: a
+    plain torch.tensor(..., device=) copies from pageable memory, which synchronises the
+    stream, so the host would wait for the pass it just launched (a verify pass, or a step
+    launched ahead, cluster.engine.worker.pipeline) before it queues what follows."""
+    t = torch.as_tensor(xs, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t
 
 

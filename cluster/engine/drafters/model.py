@@ -16,7 +16,7 @@ from concurrent.futures import Future
 import torch
 
 from cluster.engine.drafters.base import TOPK, Drafter, DraftOutput, DraftRequest, draft_keys, draft_uniforms, empty_rows, pick
-from cluster.engine.sampling import target_probs
+from cluster.engine.sampling import device_values, target_probs
 from cluster.engine.scheduling.kv_cache import KVCache, KVHandle
 from cluster.engine.worker.attention import device_ints
 from cluster.engine.worker.model import CausalLM
@@ -191,9 +191,9 @@ class ModelDrafter(Drafter):
         host round trip a row); greedy rows take the argmax. One copy to the host a draft step."""
         drafts: list[list[int]] = [[] for _ in reqs]
         dev = logits.device
-        greedy = torch.tensor([r.params.greedy for r in reqs], device=dev)
-        keys = torch.tensor(draft_keys(reqs), device=dev)
-        at = torch.tensor([len(r.token_ids) for r in reqs], device=dev)  # the first draft's position
+        greedy = device_values([r.params.greedy for r in reqs], torch.bool, dev)
+        keys = device_values(draft_keys(reqs), torch.int64, dev)
+        at = device_values([len(r.token_ids) for r in reqs], torch.int64, dev)  # the first draft's position
         for step in range(max(r.k for r in reqs)):
             probs = target_probs(logits, [r.params for r in reqs])
             top_p, top_i = probs.topk(min(TOPK, probs.shape[-1]), dim=-1)

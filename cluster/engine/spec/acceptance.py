@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from cluster.engine.drafters.base import DraftOutput
-from cluster.engine.sampling import SamplingParams, draw, rejection_sample, target_probs
+from cluster.engine.sampling import SamplingParams, device_values, draw, rejection_sample, target_probs
 
 
 @dataclass
@@ -72,12 +72,13 @@ def _accept_chains(logits, params, generators, drafts, q_ids, q_probs) -> list[l
     if all(p.greedy for p in params):
         best = logits[:, : G + 1].argmax(-1)
         # drafts stand while they equal the argmax: one comparison over the batch, not a loop a row
-        padded = torch.tensor([list(t) + [-1] * (G - len(t)) for t in drafts], dtype=torch.int64, device=dev)
+        padded = device_values([list(t) + [-1] * (G - len(t)) for t in drafts], torch.int64, dev)
         num_acc = (best[:, :G] == padded).int().cumprod(-1).sum(-1).tolist()
         return [row[: n + 1] for row, n in zip(best.tolist(), num_acc)]
     p = target_probs(logits[:, : G + 1].reshape(-1, vocab), params, G + 1).view(B, G + 1, vocab)
     # every row's proposals in one array each: one copy to the device and one scatter into q,
-    # not two copies and a scatter a row (on a GPU each copy from the host is a wait)
+    # not two copies and a scatter a row. No copy here waits for the GPU (device_values): the
+    # host queues all of acceptance behind the verify pass, and only reading the tokens waits
     width = max((q_ids[b].shape[1] for b, t in enumerate(drafts) if t), default=1)
     ids = np.zeros((B, G, width), np.int64)
     probs = np.zeros((B, G, width), np.float32)
@@ -87,7 +88,7 @@ def _accept_chains(logits, params, generators, drafts, q_ids, q_probs) -> list[l
             n, k = len(t), q_ids[b].shape[1]
             draft_ids[b, :n], ids[b, :n, :k], probs[b, :n, :k] = t, q_ids[b][:n], q_probs[b][:n]
     q = torch.zeros((B, G, vocab), device=dev).scatter_add_(
-        -1, torch.from_numpy(ids).to(dev), torch.from_numpy(probs).to(dev))
+        -1, device_values(ids, torch.int64, dev), device_values(probs, torch.float32, dev))
     # greedy rows are one-hot and need no randomness: accept iff p(d) > 0, i.e. d is the argmax.
     # A row draws for its own drafts only, so its stream does not depend on its batch.
     uniform = torch.zeros((B, G), device=dev)
@@ -97,8 +98,8 @@ def _accept_chains(logits, params, generators, drafts, q_ids, q_probs) -> list[l
             uniform[b, : len(t)].uniform_(generator=gen)  # in place: the generator is on the device
             noise[b].exponential_(generator=gen)
     noise.clamp_(min=1e-20)
-    num_draft = torch.tensor([len(t) for t in drafts], device=dev)
-    out, num_acc = rejection_sample(torch.from_numpy(draft_ids).to(dev), num_draft, q, p, uniform, noise)
+    num_draft = device_values([len(t) for t in drafts], torch.int64, dev)
+    out, num_acc = rejection_sample(device_values(draft_ids, torch.int64, dev), num_draft, q, p, uniform, noise)
     return [row[: n + 1] for row, n in zip(out.tolist(), num_acc.tolist())]
 
 
