@@ -31,6 +31,20 @@ def make_engine(random_models, tokenizer, pipelined: bool) -> Engine:
     return e
 
 
+def tight_engine(random_models, tokenizer) -> Engine:
+    """A pipelined engine whose pool (40 blocks of 4 tokens) is too small for six rows of 40
+    new tokens: it preempts."""
+    from cluster.engine.scheduling.kv_cache import block_bytes
+
+    target = load_model(random_models["llama"], torch.float32, "cpu")
+    s = target.shape
+    gb = 40 * block_bytes(s.layers, 4, s.kv_heads, s.head_dim, torch.float32) / 2**30
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=96, block_size=4, max_batch_tokens=64, prefill_chunk=16,
+                       kv_cache_gb=gb)
+    with eager_on_cpu():
+        return Engine(target, tokenizer, cfg, {}, None)
+
+
 def run(engine: Engine, script) -> dict[str, list[int]]:
     """script: {step number: [("add", prompt, params, spec) | ("abort", index)]}; returns
     each request's tokens by index."""
@@ -116,18 +130,10 @@ def test_a_launch_ahead_outlives_finishes_and_arrivals(random_models, tokenizer)
 def test_a_launch_ahead_survives_preemption(random_models, tokenizer):
     """A pool too small for the batch preempts rows that a launch covered: their launched rows
     are dropped, they are recomputed later, and no token differs from roomy plain stepping."""
-    from cluster.engine.scheduling.kv_cache import block_bytes
-
     prompts = ["def f(x):\n    return", "abcabc", "hello there", "zzz", "the quick brown fox", "x = [1, 2"]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     roomy = make_engine(random_models, tokenizer, False).generate(prompts, params, SpecParams("off"))
-    target = load_model(random_models["llama"], torch.float32, "cpu")
-    s = target.shape
-    gb = 40 * block_bytes(s.layers, 4, s.kv_heads, s.head_dim, torch.float32) / 2**30
-    cfg = EngineConfig(max_num_seqs=8, max_model_len=96, block_size=4, max_batch_tokens=64, prefill_chunk=16,
-                       kv_cache_gb=gb)
-    with eager_on_cpu():
-        tight = Engine(target, tokenizer, cfg, {}, None)
+    tight = tight_engine(random_models, tokenizer)
     out = tight.generate(prompts, params, SpecParams("off"))
     assert tight.scheduler.preemptions > 0 and tight.pipeline.hits > 0 and tight.pipeline.dropped_rows > 0
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in roomy]
@@ -161,19 +167,11 @@ def test_sampled_rows_run_ahead_with_their_seeds_tokens(engines):
 def test_sampled_rows_run_ahead_through_preemption(random_models, tokenizer):
     """Preempted sampled rows had draws launched for them: set back, their recomputed rows draw
     what roomy plain stepping drew."""
-    from cluster.engine.scheduling.kv_cache import block_bytes
-
     prompts = ["def f(x):\n    return", "abcabc", "hello there", "zzz", "the quick brown fox", "x = [1, 2"]
     params = [SamplingParams(max_tokens=40, temperature=0.9, seed=i, ignore_eos=True) for i in range(len(prompts))]
     roomy = make_engine(random_models, tokenizer, False)
     expected = [roomy.generate([p], q, SpecParams("off"))[0]["token_ids"] for p, q in zip(prompts, params)]
-    target = load_model(random_models["llama"], torch.float32, "cpu")
-    s = target.shape
-    gb = 40 * block_bytes(s.layers, 4, s.kv_heads, s.head_dim, torch.float32) / 2**30
-    cfg = EngineConfig(max_num_seqs=8, max_model_len=96, block_size=4, max_batch_tokens=64, prefill_chunk=16,
-                       kv_cache_gb=gb)
-    with eager_on_cpu():
-        tight = Engine(target, tokenizer, cfg, {}, None)
+    tight = tight_engine(random_models, tokenizer)
     ids = [tight.add_request(p, q, SpecParams("off")) for p, q in zip(prompts, params)]
     got: dict[str, list[int]] = {}
     while tight.has_work:
