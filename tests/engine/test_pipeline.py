@@ -180,3 +180,30 @@ def test_sampled_rows_run_ahead_through_preemption(random_models, tokenizer):
     assert tight.scheduler.preemptions > 0 and tight.pipeline.hits > 0 and tight.pipeline.dropped_rows > 0
     assert [got[i] for i in ids] == expected
     assert tight.kv.held() == (0, 0) and not tight.seqs
+
+
+def test_eos_ends_rows_run_ahead_without_an_extra_token(engines):
+    """A row that draws EOS had its next step launched already: that launched token never
+    reaches the client, greedy or sampled, and the row ends with EOS where plain stepping's
+    does. EOS here is a token the rows draw mid-way (the random model's own EOS is rare)."""
+    off = SpecParams("off")
+    greedy = SamplingParams(max_tokens=30)
+    sampled = SamplingParams(max_tokens=30, temperature=0.8, seed=11)
+    prompts = ["def f(x):\n    return", "hello there"]
+    plain, piped = engines
+    free = [plain.generate([p], SamplingParams(max_tokens=30, ignore_eos=True, temperature=q.temperature, seed=q.seed),
+                           off)[0]["token_ids"] for p, q in zip(prompts, (greedy, sampled))]
+    eos = free[1][6]  # the sampled row's seventh token; the greedy row may draw it too
+    script = {0: [("add", prompts[0], greedy, off), ("add", prompts[1], sampled, off)]}
+    saved = plain.eos, piped.eos
+    try:
+        plain.eos = piped.eos = eos
+        launched = piped.pipeline.launched
+        want, got = run(plain, script), run(piped, script)
+    finally:
+        plain.eos, piped.eos = saved
+    assert got == want
+    assert got[1] == free[1][: free[1].index(eos) + 1]  # ends with EOS, nothing after it
+    assert piped.pipeline.launched > launched
+    for e in engines:
+        assert e.kv.held() == (0, 0) and not e.seqs
