@@ -19,7 +19,7 @@ PARTS (comma-separated, default all):
 - RAGGED=inf runs prefill passes of unequal prompt chunks padded to the widest, as before
   segments (cluster.engine.worker.runner.RAGGED): a same-machine before/after.
 - TEMPERATURE=0.8 samples the sweep's requests at that temperature (greedy by default): the
-  draws of sampled rows, and plain steps that cannot launch ahead (greedy rows only).
+  draws of sampled rows, and their plain steps launched ahead (benchmarks/gpu/h100/sampled_ahead).
 - PROFILE=1 adds, per level, a fixed gamma-4 run of the same requests under cProfile
   (OUT/profile_<c>.txt: the top functions by own and cumulative time).
 - prefix: a shared 2k-token prompt: TTFT of requests whose prefix is cached against requests
