@@ -118,20 +118,17 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str | None = "model",
-                        cfg: EngineConfig | None = None) -> "Engine":
-        """An engine over a Hugging Face target (and draft) directory (cluster.engine.generate)."""
+                        cfg: EngineConfig | None = None) -> "Engine":  # cluster.engine.generate
         return from_pretrained(cls, target, draft, drafter, cfg or EngineConfig())
 
-    def close(self) -> None:
-        """Stop a tensor-parallel engine's follower ranks (nothing to do for one process)."""
+    def close(self) -> None:  # a tensor-parallel engine's follower ranks stop (one process: nothing)
         if isinstance(self.runner, ParallelRunner):
             self.runner.close()
 
     # ---- requests ------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     spec: SpecParams | None = None, drafter: str | None = None, request_id: str | None = None) -> str:
-        params = params or SamplingParams()
-        spec = spec or SpecParams()
+        params, spec = params or SamplingParams(), spec or SpecParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         validate_request(ids, params, spec, drafter, self.limits)
         return self.enqueue(ids, params, spec, drafter, request_id or f"req-{next(self._ids)}")
@@ -236,11 +233,14 @@ class Engine:
         seqs = [s for s, _ in rows]
         graphs = self._graphs_captured()
         t0 = time.perf_counter()
-        drafts = self.planner.draft(rows)
+        # drafts left on the device (launched) feed the verify pass there: one wait for both
+        drafts, launched = self.planner.start(rows, not chunks and self.runner.carries_drafts)
         t1 = time.perf_counter()
-        feeds = [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts.tokens)]
-        pipelined = not chunks and self._pipelined(seqs, drafts)
-        first: list[Sequence] = []
+        # launched: each row's width only, its drafts come in on the device
+        news = drafts.tokens if launched is None else [[0] * n for n in launched.counts]
+        feeds = [[s.token_ids[-1]] + d for s, d in zip(seqs, news)]
+        pipelined = not chunks and launched is None and not any(drafts.tokens) and self._pipelined(seqs)
+        first, waited = [], 0.0  # waited: for launched drafts, once the verify pass is queued
         if pipelined:  # rows that joined after the step launched ahead wait for the next one
             seqs, out, pipelined = self.pipeline.step(seqs, launch_next=any(self._left(s) > 1 for s in seqs))
             feeds = [[s.token_ids[-1]] for s in seqs]
@@ -255,7 +255,10 @@ class Engine:
                            [s.token_ids[s.num_cached:s.num_cached + n] for s, n in chunks])
                 passed, prefilled = self.runner.forward_mixed(verify, prefill, drafts.parents)
             else:
-                passed = self.runner.forward(*verify, last_only=False, trees=drafts.parents, hidden=True, aux=True)
+                passed = self.runner.forward(*verify, last_only=False, trees=None if launched else drafts.parents,
+                                             hidden=True, aux=True, carried=launched.ids if launched else None)
+            if launched is not None:  # the host reads the drafts while the verify pass runs
+                drafts, waited = launched.finish(), launched.waited
             if any(drafts.tokens):  # on a GPU the verify pass runs meanwhile
                 self.planner.ask_ahead(rows, drafts)
             accepted, out = self._verified(seqs, drafts, *passed)
@@ -263,12 +266,12 @@ class Engine:
                 first = self._prefilled(chunks, *prefilled)
         t2 = time.perf_counter()
         num_prefill = sum(n for _, n in chunks)
-        self.totals["draft_s"] += t1 - t0
-        self.totals["mixed_s" if chunks else "verify_s"] += t2 - t1
+        self.totals["draft_s"] += t1 - t0 + waited
+        self.totals["mixed_s" if chunks else "verify_s"] += t2 - t1 - waited
         self.totals["mixed_steps"] += bool(chunks)
         num_draft = [len(d) for d in drafts.tokens]
-        obs = observation(len(seqs), sum(map(len, feeds)) + num_prefill, t2 - t1, t1 - t0, num_draft,
-                          [len(o) - 1 for o in out], pipelined)
+        obs = observation(len(seqs), sum(map(len, feeds)) + num_prefill, t2 - t1 - waited, t1 - t0 + waited,
+                          num_draft, [len(o) - 1 for o in out], pipelined)
         # not what verifying at this gamma costs (the controller skips them): a pass that took
         # prompt chunks too, and one that captured a CUDA graph (up to 50x a replay)
         obs.prefill_tokens = num_prefill
@@ -294,11 +297,10 @@ class Engine:
         runners = [self.runner] + [getattr(d, "runner", None) for d in self.drafters.values()]
         return sum(len(r.graphs.graphs) for r in runners if getattr(r, "graphs", None) is not None)
 
-    def _pipelined(self, seqs: list[Sequence], drafts: DraftOutput) -> bool:
-        """Plain decoding on CUDA graphs runs a step ahead (cluster.engine.worker.pipeline);
-        not where a row needs what that path keeps none of: logits (logprobs), or the target's
-        hidden or aux states (a drafter that reads them)."""
-        return (self.pipeline is not None and not any(drafts.tokens) and self.pipeline.eligible(seqs)
+    def _pipelined(self, seqs: list[Sequence]) -> bool:
+        """Plain decoding on CUDA graphs runs a step ahead (cluster.engine.worker.pipeline), but
+        not for what that path keeps none of: logits (logprobs), the target's hidden or aux states."""
+        return (self.pipeline is not None and self.pipeline.eligible(seqs)
                 and not any(d.reads_hidden for d in self.drafters.values())
                 and all(s.params.logprobs is None and not self._reads_aux(s) for s in seqs))
 

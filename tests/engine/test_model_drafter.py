@@ -80,8 +80,8 @@ def test_seeded_sampled_drafts_do_not_depend_on_drafting_ahead(random_models, to
     def run(drafter, forget=False):
         e = Engine(target, tokenizer, cfg, {"model": drafter}, "model")
         if forget:  # every call finds no state: the drafter re-prefills each row
-            propose = drafter.propose
-            drafter.propose = lambda reqs: (drafter.release([r.seq_id for r in reqs]), propose(reqs))[1]
+            launch = drafter.launch  # propose and the engine's drafts on the device both call it
+            drafter.launch = lambda reqs: (drafter.release([r.seq_id for r in reqs]), launch(reqs))[1]
         out = [e.generate([p], SamplingParams(max_tokens=32, temperature=0.9, seed=i, ignore_eos=True), spec)[0]
                for i, p in enumerate(PROMPTS)]  # single streams: the "free" drafter looks ahead
         return [r["token_ids"] for r in out], e.planner.counts

@@ -119,6 +119,7 @@ class ParallelRunner(Runner):
     # the pass header describes one padded block: with mixed_prefill the engine runs this
     # runner's prefill and verify as separate steps
     can_mix = False
+    carries_drafts = False  # its followers take a pass's tokens from the host
 
     def __init__(self, model, kv: KVCache, attention: str, group: Group, graph_width: int = 0,
                  prefill_chunk: int = 0, graph_tokens: int = 0):
@@ -139,9 +140,11 @@ class ParallelRunner(Runner):
             super().calibrate(token_ids)
 
     @torch.inference_mode()
-    def forward(self, rows, cache_lens, tokens, last_only, num_layers=None, trees=None, hidden=False, aux=False):
+    def forward(self, rows, cache_lens, tokens, last_only, num_layers=None, trees=None, hidden=False, aux=False,
+                carried=None):
         """As Runner.forward, on every rank; `aux`: rank 0's capture of the aux layers' inputs
         (the residual stream, whole on every rank after each all-reduce: no collective)."""
+        assert carried is None, "tokens reach the followers from the host (carries_drafts)"
         updates = self.kv.take_updates()
         meta, payload = encode(updates, rows, cache_lens, tokens, last_only, num_layers, trees, self.kv.moved,
                                self.graphs is not None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import random
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -63,6 +64,27 @@ class DraftOutput:
     unread: list[bool] | None = None
 
 
+class PendingDrafts:
+    """Drafts a drafter left on the device (Drafter.launch): a verify pass can read them
+    there (`device_ids`) before the host has them, and `finish` brings them to the host,
+    waiting for the drafts alone, not for what was queued after them."""
+
+    def __init__(self, ids: torch.Tensor, counts: list[int], ready, finish: Callable[[], DraftOutput]):
+        self.ids = ids  # [requests, max count] int64 on the device, -1 past each row's drafts
+        self.counts = counts  # drafts per request, known before the drafts are
+        self.ready = ready  # a CUDA event after the drafts on the drafter's stream (None: no stream of its own)
+        self.finish = finish
+        self.waited = 0.0  # seconds finish waited and read (the planner's)
+
+    def device_ids(self) -> torch.Tensor:
+        """The drafts for a pass on the caller's stream, which waits for them on the device."""
+        if self.ready is not None:
+            stream = torch.cuda.current_stream()
+            stream.wait_event(self.ready)
+            self.ids.record_stream(stream)  # made on the drafter's stream, read on this one
+        return self.ids
+
+
 def one_hot(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """A greedy proposal's support and probabilities: [n, 1] each."""
     return np.asarray(tokens, np.int32).reshape(-1, 1), np.ones((len(tokens), 1), np.float32)
@@ -88,6 +110,11 @@ class Drafter(abc.ABC):
         fut: Future = Future()
         fut.set_result(self.propose(requests))
         return fut
+
+    def launch(self, requests: list[DraftRequest]) -> PendingDrafts | None:
+        """The drafts left on the device, for a verify pass to read there; None where this
+        drafter cannot (another process's, a tree's, a host-side one's): `propose` then."""
+        return None
 
     def release(self, seq_ids: list[str]) -> None:
         """Forget per-sequence state (the sequence finished)."""

@@ -11,11 +11,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
+from contextlib import nullcontext
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from cluster.engine.drafters.base import TOPK, Drafter, DraftOutput, DraftRequest, draft_keys, draft_uniforms, empty_rows, pick
+from cluster.engine.drafters.base import (TOPK, Drafter, DraftOutput, DraftRequest, PendingDrafts, draft_keys,
+                                          draft_uniforms, one_hot, pick)
 from cluster.engine.sampling import device_values, target_probs
 from cluster.engine.scheduling.kv_cache import KVCache, KVHandle
 from cluster.engine.worker.attention import device_ints
@@ -31,6 +34,30 @@ CATCHUP_TOKENS = 8192  # longer rows (new sequences, a return from plain decodin
 # at each row's last token): eagerly, a new prompt's Python costs more than a draft step.
 CHUNK = 512
 BLOCK = 16  # tokens per block of the drafter's own cache
+
+
+@dataclass
+class _Chain:
+    """One launch's rows (those with room) and its drafts on the device."""
+    reqs: list[DraftRequest]
+    handles: list[KVHandle]
+    ids: torch.Tensor | None = None  # [B, max k] int64, -1 past a row's k
+    top_i: torch.Tensor | None = None  # sampled rows: [B, max k, K] support and probabilities
+    top_p: torch.Tensor | None = None
+    copies: dict | None = None  # name -> host copy (pinned, filled after the drafts on the stream)
+
+    def to_host(self) -> None:
+        self.copies = {}
+        for name in ("ids", "top_i", "top_p"):
+            t = getattr(self, name)
+            if t is not None:
+                self.copies[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                self.copies[name].copy_(t, non_blocking=True)
+
+    def host(self, name: str) -> np.ndarray | None:
+        """The host copy (a GPU's: read after its event) or the tensor itself (a CPU's)."""
+        t = self.copies.get(name) if self.copies is not None else getattr(self, name)
+        return None if t is None else t.numpy()
 
 
 class ModelDrafter(Drafter):
@@ -56,20 +83,6 @@ class ModelDrafter(Drafter):
                              max_tokens=CATCHUP_TOKENS, dense_to=CATCHUP)
         self.max_len = max_len
         self.state: OrderedDict[str, tuple[KVHandle, list[int]]] = OrderedDict()  # seq_id -> (KV, cached tokens)
-
-    def propose_async(self, requests: list[DraftRequest]) -> Future:
-        if self.stream is None:
-            return super().propose_async(requests)
-        fut: Future = Future()
-        if all(r.confirmed is None for r in requests):
-            # Not a look-ahead (which is meant to run beside the verify pass): start after what
-            # the caller's stream still has queued, e.g. a plain step launched ahead and then
-            # dropped when the controller turned speculation back on; drafting beside a full
-            # target pass stalled for a minute on an H100 (benchmarks/gpu/h100/stall).
-            self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):  # every step syncs this stream: nothing left in flight
-            fut.set_result(self.propose(requests))
-        return fut
 
     def warm_up(self) -> None:
         self.runner.warm_up()
@@ -112,25 +125,58 @@ class ModelDrafter(Drafter):
         return True
 
     def propose(self, requests: list[DraftRequest]) -> DraftOutput:
+        return self.launch(requests).finish()
+
+    def launch(self, requests: list[DraftRequest]) -> PendingDrafts:
+        """Every row's chain drafted on the device (greedy: the argmax fed back; sampled: the
+        draw of draft_uniforms from its top-K distribution), then one copy to the host, which
+        `finish` waits for; nothing here waits for the GPU."""
         t0 = time.perf_counter()
         live = [r for r in requests if r.k > 0 and len(r.token_ids) + r.k <= self.max_len]
-        out = {r.seq_id: ([], [], []) for r in requests}
-        if live:
-            self._propose(live, out)
-        took = time.perf_counter() - t0
-        if took > 1.0:  # a step is milliseconds: say what this one was asked to do
-            log.warning("draft call took %.1f s: %d rows, k %s, longest row %d tokens", took, len(live),
-                        sorted({r.k for r in live}), max((len(r.token_ids) for r in live), default=0))
-        toks, ids, probs = zip(*(out[r.seq_id] for r in requests))
-        return DraftOutput(list(toks), *empty_rows(list(toks), ids, probs), time.perf_counter() - t0)
+        caller = torch.cuda.current_stream() if self.stream is not None else None
+        if caller is not None and all(r.confirmed is None for r in requests):
+            # Not a look-ahead (which is meant to run beside the verify pass): start after what
+            # the caller's stream still has queued, e.g. a plain step launched ahead and then
+            # dropped when the controller turned speculation back on; drafting beside a full
+            # target pass stalled for a minute on an H100 (benchmarks/gpu/h100/stall).
+            self.stream.wait_stream(caller)
+        ids, ready = torch.full((len(requests), 0), -1, dtype=torch.int64), None
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            chain = self._launch(live) if live else None
+            drafted = {r.seq_id: r.k for r in (chain.reqs if chain else [])}
+            counts = [drafted.get(r.seq_id, 0) for r in requests]
+            if chain is not None:
+                ids = chain.ids
+                if len(chain.reqs) != len(requests):  # rows that draft nothing: -1
+                    ids = ids.new_full((len(requests), ids.shape[1]), -1)
+                    ids[device_ints([i for i, r in enumerate(requests) if r.seq_id in drafted], ids.device)] = chain.ids
+                if ids.is_cuda:
+                    chain.to_host()
+                    ready = torch.cuda.Event()
+                    ready.record()  # on the stream drafting (its own, or the caller's): after ids and copies
 
-    def _propose(self, reqs: list[DraftRequest], out: dict) -> None:
+        def finish() -> DraftOutput:
+            out = {r.seq_id: ([], *one_hot([])) for r in requests}
+            if chain is not None:
+                if ready is not None:
+                    ready.synchronize()  # the drafts only: a verify pass queued after them runs on
+                self._finish(chain, out)
+            took = time.perf_counter() - t0
+            if took > 1.0:  # a step is milliseconds: say what this one was asked to do
+                log.warning("draft call took %.1f s: %d rows, k %s, longest row %d tokens", took, len(live),
+                            sorted({r.k for r in live}), max((len(r.token_ids) for r in live), default=0))
+            toks, q_ids, q_probs = zip(*(out[r.seq_id] for r in requests)) if requests else ((), (), ())
+            return DraftOutput(list(toks), list(q_ids), list(q_probs), time.perf_counter() - t0)
+
+        return PendingDrafts(ids, counts, ready, finish)
+
+    def _launch(self, reqs: list[DraftRequest]) -> _Chain | None:
         keep = {r.seq_id for r in reqs}
         handles = {r.seq_id: self._handle(r.seq_id, keep) for r in reqs}
         # blocks for the new tokens and the drafts; a row the pool cannot hold drafts nothing
         reqs = [r for r in reqs if self._room(handles[r.seq_id], len(r.token_ids) + r.k, keep)]
         if not reqs:
-            return
+            return None
         kv_rows, lens, feed = [], [], []
         for r in reqs:
             cached = self.state[r.seq_id][1]
@@ -141,86 +187,83 @@ class ModelDrafter(Drafter):
             feed.append(r.token_ids[n:])
         logits = self._catch_up(kv_rows, lens, feed)
         lens = [n + len(f) for n, f in zip(lens, feed)]
+        chain = _Chain(reqs, [handles[r.seq_id] for r in reqs])
         if all(r.params.greedy for r in reqs):
-            drafts = self._greedy_chain(reqs, kv_rows, lens, logits)
-            for r, d in zip(reqs, drafts):  # one-hot proposals
-                out[r.seq_id][1].extend([t] for t in d)
-                out[r.seq_id][2].extend([1.0] for _ in d)
+            chain.ids = self._greedy_chain(reqs, kv_rows, lens, logits)
         else:
-            drafts = self._sampled_chain(reqs, kv_rows, lens, logits, out)
-        for b, r in enumerate(reqs):
-            cached = r.token_ids + drafts[b][:-1]  # the last draft was never fed
-            self.state[r.seq_id] = (handles[r.seq_id], cached[: lens[b]])
-            out[r.seq_id][0].extend(drafts[b])
-            # pad every position's support to the same K so arrays stay rectangular
-            width = max(len(x) for x in out[r.seq_id][1]) if drafts[b] else 0
-            out[r.seq_id][1][:] = [x + [x[0]] * (width - len(x)) for x in out[r.seq_id][1]]
-            out[r.seq_id][2][:] = [x + [0.0] * (width - len(x)) for x in out[r.seq_id][2]]
+            chain.ids, chain.top_i, chain.top_p = self._sampled_chain(reqs, kv_rows, lens, logits)
+        return chain
 
-    def _greedy_chain(self, reqs, kv_rows, lens, logits) -> list[list[int]]:
-        """Every row's argmax fed back on the device, step after step, and one copy of all the
-        drafts to the host at the end: a draft step of a small model is a graph replay of tens
-        of microseconds, which a host round trip per step (argmax to the host, tokens back)
-        would double. Advances `lens` by the tokens fed."""
+    def _finish(self, chain: _Chain, out: dict) -> None:
+        """The drafts on the host: each row's tokens and proposals, and the drafter's state
+        (the tokens whose KV it now holds: the last draft was never fed)."""
+        ids = chain.host("ids").tolist()
+        top_i, top_p = chain.host("top_i"), chain.host("top_p")
+        for b, r in enumerate(chain.reqs):
+            drafts = ids[b][: r.k]
+            self.state[r.seq_id] = (chain.handles[b], r.token_ids + drafts[:-1])
+            q_ids, q_probs = one_hot(drafts)  # greedy rows: one-hot proposals
+            if top_i is not None and not r.params.greedy:
+                q_ids, q_probs = top_i[b, : r.k].astype(np.int32), top_p[b, : r.k].astype(np.float32)
+            out[r.seq_id] = (drafts, q_ids, q_probs)
+
+    def _greedy_chain(self, reqs, kv_rows, lens, logits) -> torch.Tensor:
+        """Every row's argmax fed back on the device, step after step: [B, max k] drafts (-1
+        past a row's k). A draft step of a small model is a graph replay of tens of
+        microseconds, which a host round trip per step (argmax to the host, tokens back)
+        would double."""
         ks = [r.k for r in reqs]
-        picks = [logits.argmax(-1)]  # step j: [rows with k > j] drafts
+        out = torch.full((len(reqs), max(ks)), -1, dtype=torch.int64, device=logits.device)
+        out[:, 0] = logits.argmax(-1)
         rows = list(range(len(reqs)))
         for step in range(1, max(ks)):
-            prev, idx = picks[-1], rows
+            idx = rows
             rows = [b for b in rows if ks[b] > step]
             if not rows:
                 break
-            fed = prev if len(rows) == len(idx) else prev[device_ints([idx.index(b) for b in rows], prev.device)]
-            sub = self.runner.decode([kv_rows[b] for b in rows], [lens[b] for b in rows], fed)
-            picks.append(sub.argmax(-1))
+            at = None if len(rows) == len(reqs) else device_ints(rows, out.device)
+            fed = out[:, step - 1] if at is None else out[at, step - 1]
+            sub = self.runner.decode([kv_rows[b] for b in rows], [lens[b] for b in rows], fed).argmax(-1)
+            if at is None:
+                out[:, step] = sub
+            else:
+                out[at, step] = sub
             for b in rows:
                 lens[b] += 1
-        flat = torch.cat(picks).tolist()  # the one wait for the GPU
-        drafts: list[list[int]] = [[] for _ in reqs]
-        rows, at = list(range(len(reqs))), 0
-        for step in range(len(picks)):
-            rows = [b for b in rows if ks[b] > step]
-            for b in rows:
-                drafts[b].append(flat[at])
-                at += 1
-        return drafts
+        return out
 
-    def _sampled_chain(self, reqs, kv_rows, lens, logits, out) -> list[list[int]]:
+    def _sampled_chain(self, reqs, kv_rows, lens, logits) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each row samples from its top-K-truncated distribution by the inverse CDF of one
-        uniform keyed by its seed and the draft's position (draft_uniforms, on the device: no
-        host round trip a row); greedy rows take the argmax. One copy to the host a draft step."""
-        drafts: list[list[int]] = [[] for _ in reqs]
-        dev = logits.device
+        uniform keyed by its seed and the draft's position (draft_uniforms), fed back on the
+        device; greedy rows take the argmax. Returns drafts [B, max k] and each draft's
+        support and probabilities [B, max k, K] (past a row's k: unused)."""
+        dev, kmax = logits.device, max(r.k for r in reqs)
         greedy = device_values([r.params.greedy for r in reqs], torch.bool, dev)
         keys = device_values(draft_keys(reqs), torch.int64, dev)
         at = device_values([len(r.token_ids) for r in reqs], torch.int64, dev)  # the first draft's position
-        for step in range(max(r.k for r in reqs)):
+        toks, tis, tps = [], [], []
+        for step in range(kmax):
             probs = target_probs(logits, [r.params for r in reqs])
             top_p, top_i = probs.topk(min(TOPK, probs.shape[-1]), dim=-1)
             top_p = top_p / top_p.sum(-1, keepdim=True)
-            live = [b for b, r in enumerate(reqs) if step < r.k]
             j = pick(top_p, draft_uniforms(keys, at + step)).masked_fill(greedy, 0)
-            tok_h, ids_h, ps_h = (t.tolist() for t in (top_i.gather(-1, j[:, None])[:, 0], top_i, top_p))
-            for b in live:
-                if reqs[b].params.greedy:
-                    ids, ps = [tok_h[b]], [1.0]
-                else:
-                    ids, ps = ids_h[b], ps_h[b]
-                drafts[b].append(tok_h[b])
-                out[reqs[b].seq_id][1].append(ids)
-                out[reqs[b].seq_id][2].append(ps)
-            if step + 1 >= max(r.k for r in reqs):
-                break
-            rows = [b for b in live if len(drafts[b]) < reqs[b].k]
+            toks.append(top_i.gather(-1, j[:, None])[:, 0])
+            tis.append(top_i)
+            tps.append(top_p)
+            rows = [b for b, r in enumerate(reqs) if r.k > step + 1]
             if not rows:
                 break
-            sub = self.runner.forward([kv_rows[b] for b in rows], [lens[b] for b in rows],
-                                      [[drafts[b][-1]] for b in rows], last_only=True)
+            fed = toks[-1] if len(rows) == len(reqs) else toks[-1][device_ints(rows, dev)]
+            sub = self.runner.decode([kv_rows[b] for b in rows], [lens[b] for b in rows], fed)
             logits = logits.clone()
             logits[rows] = sub.to(logits.dtype)
             for b in rows:
                 lens[b] += 1
-        return drafts
+        pad = kmax - len(toks)  # every row's k was reached early: nothing drafted past it
+        ids = torch.nn.functional.pad(torch.stack(toks, 1), (0, pad), value=-1)
+        ks = device_values([r.k for r in reqs], torch.int64, dev)
+        ids.masked_fill_(torch.arange(kmax, device=dev) >= ks[:, None], -1)  # a row's draws past its k
+        return ids, torch.stack(tis + tis[-1:] * pad, 1), torch.stack(tps + tps[-1:] * pad, 1)
 
     def _catch_up(self, kv_rows, lens, feed) -> torch.Tensor:
         lens, feed = list(lens), list(feed)

@@ -30,8 +30,11 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from cluster.engine.drafters.base import Drafter, DraftOutput, DraftRequest
+import torch
+
+from cluster.engine.drafters.base import Drafter, DraftOutput, DraftRequest, PendingDrafts
 from cluster.engine.scheduling.sequence import Sequence
+from cluster.engine.worker.attention import device_ints
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,9 @@ class DraftPlanner:
         self.ahead: dict[str, _Ahead] = {}
         # draft_compute_s: the drafter's own seconds in the calls whose replies steps took,
         # look-ahead ones included (against draft_s it shows a remote drafter's round trips)
-        self.counts = {"ahead_hits": 0, "ahead_misses": 0, "draft_failures": 0, "draft_compute_s": 0.0}
+        # drafts_on_device: steps whose drafts fed the verify pass on the device (`launch`)
+        self.counts = {"ahead_hits": 0, "ahead_misses": 0, "draft_failures": 0, "draft_compute_s": 0.0,
+                       "drafts_on_device": 0}
         # per drafter, averages (EWMA) that gate a "gated" look-ahead: hits per row (from 1.0),
         # seconds waiting for a fresh call, seconds waiting for a guessed reply that missed
         self.hit_rate: dict[str, float] = {}
@@ -62,13 +67,76 @@ class DraftPlanner:
         self.probe_every = probe_every
         self.steps = 0
 
-    def draft(self, rows: list[tuple[Sequence, int]]) -> DraftOutput:
-        n = len(rows)
-        out = DraftOutput([[] for _ in rows], [None] * n, [None] * n)
+    @staticmethod
+    def _groups(rows: list[tuple[Sequence, int]], default: str | None) -> dict[str, list[int]]:
+        """Drafter name -> the rows (indices) it drafts this step."""
         groups: dict[str, list[int]] = {}
         for b, (s, g) in enumerate(rows):
             if g > 0:
-                groups.setdefault(s.drafter or self.default, []).append(b)
+                groups.setdefault(s.drafter or default, []).append(b)
+        return groups
+
+    def start(self, rows: list[tuple[Sequence, int]], on_device: bool
+              ) -> tuple[DraftOutput | None, PendingDrafts | None]:
+        """(this step's drafts, None), or with `on_device` where it can (None, the drafts left
+        on the device: `launch`)."""
+        launched = self.launch(rows) if on_device else None
+        if launched is not None and not any(launched.counts):
+            return launched.finish(), None
+        return (self.draft(rows), None) if launched is None else (None, launched)
+
+    def launch(self, rows: list[tuple[Sequence, int]]) -> PendingDrafts | None:
+        """This step's drafts left on the device for the verify pass to read there, where
+        one drafter drafts every drafting row and can (Drafter.launch): the host then waits
+        for drafts and verify pass together, once. None: `draft` instead (several drafters,
+        another process's, a look-ahead's drafts in hand or one to ask for at batch 1)."""
+        groups = self._groups(rows, self.default)
+        if len(groups) != 1:
+            return None
+        (name, idx), = groups.items()
+        d = self.drafters[name]
+        if name in self.ahead or (d.look_ahead == "free" and len(idx) == 1):
+            return None
+        n = len(rows)
+        try:
+            pending = d.launch([self._request(d, rows[b]) for b in idx])
+        except Exception as e:  # the drafter is disposable: plain decoding for these rows
+            self.counts["draft_failures"] += 1
+            log.warning("drafter %s failed (%s); decoding without drafts this step", name, e)
+            self.steps += 1
+            empty = DraftOutput([[] for _ in rows], [None] * n, [None] * n)
+            return PendingDrafts(torch.full((n, 0), -1, dtype=torch.int64), [0] * n, None, lambda: empty)
+        if pending is None:
+            return None
+        counts = [0] * n
+        for j, b in enumerate(idx):
+            counts[b] = pending.counts[j]
+        ids = pending.device_ids()  # this stream waits for the drafts: the verify pass reads them
+        if idx != list(range(n)):
+            full = ids.new_full((n, ids.shape[1]), -1)
+            full[device_ints(idx, ids.device)] = ids
+            ids = full
+
+        def finish() -> DraftOutput:
+            t = time.perf_counter()
+            res = pending.finish()
+            launched.waited = time.perf_counter() - t
+            self.counts["draft_compute_s"] += res.seconds
+            out = DraftOutput([[] for _ in rows], [None] * n, [None] * n)
+            for j, b in enumerate(idx):
+                self._fill(out, b, res, j, 0, rows[b][1])
+                rows[b][0].aux = None
+            return out
+
+        self.steps += 1
+        self.counts["drafts_on_device"] += any(counts)
+        launched = PendingDrafts(ids, counts, None, finish)
+        return launched
+
+    def draft(self, rows: list[tuple[Sequence, int]]) -> DraftOutput:
+        n = len(rows)
+        out = DraftOutput([[] for _ in rows], [None] * n, [None] * n)
+        groups = self._groups(rows, self.default)
         fresh = {name: self._take_ahead(name, idx, rows, out) for name, idx in groups.items()}
         calls = {name: self.drafters[name].propose_async([self._request(self.drafters[name], rows[b]) for b in idx])
                  for name, idx in fresh.items() if idx}
@@ -88,10 +156,7 @@ class DraftPlanner:
     def ask_ahead(self, rows: list[tuple[Sequence, int]], out: DraftOutput) -> None:
         """Call once this step's verify pass is launched: the next step's drafts, guessed."""
         probe = self.steps % self.probe_every == 0
-        groups: dict[str, list[int]] = {}
-        for b, (s, g) in enumerate(rows):
-            if g > 0:
-                groups.setdefault(s.drafter or self.default, []).append(b)
+        groups = self._groups(rows, self.default)
         for name, idx in groups.items():
             mode = self.drafters[name].look_ahead
             gated = probe or self._pays(name)

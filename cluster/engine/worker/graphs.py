@@ -161,13 +161,16 @@ class GraphRunner:
 
     @torch.inference_mode()
     def forward(self, rows: list[int], cache_lens: list[int], tokens: list[list[int]],
-                num_layers: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                num_layers: int | None = None, carried: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """[B, T, V] logits, [B, T, D] hidden states and [B, T, A] aux hidden states (None
         without model.aux_layers): static buffers, read them before the next replay; T = the
         longest row (a prefill width: its graph's T, and logits None). `num_layers` < all:
-        an early-exit pass."""
+        an early-exit pass. `carried`: as Runner.forward's, copied in on the device."""
         b, width = len(tokens), self._width(max(map(len, tokens)))
         g = self._prepare(rows, cache_lens, tokens, width, num_layers)
+        if carried is not None:
+            g.ids[:b, 1:1 + carried.shape[1]].copy_(carried.clamp(min=0))
         g.graph.replay()
         return (None if g.out is None else g.out[:b]), g.hidden[:b], (None if g.aux is None else g.aux[:b])
 

@@ -30,6 +30,7 @@ def ragged(q_lens: list[int]) -> bool:
 
 class Runner:
     can_mix = True  # forward_mixed: a verify and a prefill segment in one pass
+    carries_drafts = True  # forward's `carried`: drafts still on the device feed a verify pass
 
     def __init__(self, model: CausalLM, kv: KVCache, attention: str = "auto", graph_width: int = 0,
                  prefill_chunk: int = 0, max_tokens: int = 0, dense_to: int = 0):
@@ -65,7 +66,7 @@ class Runner:
     @torch.inference_mode()
     def forward(self, rows: list[int], cache_lens: list[int], tokens: list[list[int]],
                 last_only: bool, num_layers: int | None = None, trees: list[list[int] | None] | None = None,
-                hidden: bool = False, aux: bool = False):
+                hidden: bool = False, aux: bool = False, carried: torch.Tensor | None = None):
         """Append `tokens[b]` to the sequence in table row `rows[b]` (after `cache_lens[b]`
         cached tokens; its blocks must hold them).
 
@@ -75,7 +76,9 @@ class Runner:
         [B, T, A] at every (padded) position whatever `last_only`, None without
         model.aux_layers): the inputs of those layers side by side (an EAGLE-3 drafter's). `trees[b]`,
         where not None, makes row b a draft tree ([root] + nodes, see cluster.engine.worker.tree)
-        instead of a chain.
+        instead of a chain. `carried` [B, G] int64 on the device: the tokens after each row's
+        first (drafts the host has not read, PendingDrafts), -1 past a row's own; `tokens`
+        then give each row's first token and its width.
         """
         q_lens = [len(t) for t in tokens]
         tree = trees is not None and any(t is not None for t in trees)
@@ -83,7 +86,7 @@ class Runner:
         if last_only and not tree and num_layers is None and ragged(q_lens):
             return self._forward_ragged(rows, cache_lens, tokens, hidden, aux)
         if self.graphs is not None and not tree and self.graphs.eligible(len(tokens), max(q_lens), last_only):
-            logits, h, a = self.graphs.forward(rows, cache_lens, tokens, num_layers)
+            logits, h, a = self.graphs.forward(rows, cache_lens, tokens, num_layers, carried)
             if last_only:
                 last = torch.arange(len(tokens), device=self.device), device_ints(q_lens, self.device) - 1
                 h = h[last]
@@ -97,7 +100,10 @@ class Runner:
         assert ctx.max_kv <= self.kv.max_tokens, "past the block table's width"
         w = ctx.width  # one host tensor from padded lists: a tensor a row cost ~4 us each
         ids = torch.tensor([t if len(t) == w else list(t) + [0] * (w - len(t)) for t in tokens], dtype=torch.int64)
-        return self.run(ids.to(self.device), ctx, last_only, num_layers, hidden, aux)
+        ids = ids.to(self.device)
+        if carried is not None:
+            ids[:, 1:1 + carried.shape[1]] = carried.clamp(min=0)  # 0 past a row's tokens, as the padding
+        return self.run(ids, ctx, last_only, num_layers, hidden, aux)
 
     def run(self, ids: torch.Tensor, ctx: AttnContext, last_only: bool, num_layers: int | None, hidden: bool,
             aux: bool = False):
