@@ -34,7 +34,9 @@ DEMO = "cluster/models/demo/target"
 PHASES = {
     "schedule": [("cluster.engine.scheduling.scheduler", "Scheduler", "schedule"),
                  ("cluster.engine.engine", "Engine", "_gammas")],
+    # a launch's finish (drafts left on the device, read while the verify pass runs) is "other"
     "draft": [("cluster.engine.spec.drafting", "DraftPlanner", "draft"),
+              ("cluster.engine.spec.drafting", "DraftPlanner", "launch"),
               ("cluster.engine.spec.drafting", "DraftPlanner", "ask_ahead")],
     "inputs": [("cluster.engine.worker.runner", "Runner", "forward"),
                ("cluster.engine.scheduling.kv_cache", "KVCache", "sync")],

@@ -197,15 +197,19 @@ class ModelDrafter(Drafter):
     def _finish(self, chain: _Chain, out: dict) -> None:
         """The drafts on the host: each row's tokens and proposals, and the drafter's state
         (the tokens whose KV it now holds: the last draft was never fed)."""
-        ids = chain.host("ids").tolist()
+        host = chain.host("ids")
+        ids = host.tolist()
+        # greedy rows' one-hot proposals: views of one array each, not two arrays a row
+        one_ids, ones = host.astype(np.int32)[..., None], np.ones((host.shape[1], 1), np.float32)
+        ones.flags.writeable = False
         top_i, top_p = chain.host("top_i"), chain.host("top_p")
         for b, r in enumerate(chain.reqs):
             drafts = ids[b][: r.k]
             self.state[r.seq_id] = (chain.handles[b], r.token_ids + drafts[:-1])
-            q_ids, q_probs = one_hot(drafts)  # greedy rows: one-hot proposals
             if top_i is not None and not r.params.greedy:
-                q_ids, q_probs = top_i[b, : r.k].astype(np.int32), top_p[b, : r.k].astype(np.float32)
-            out[r.seq_id] = (drafts, q_ids, q_probs)
+                out[r.seq_id] = (drafts, top_i[b, : r.k].astype(np.int32), top_p[b, : r.k])
+            else:
+                out[r.seq_id] = (drafts, one_ids[b, : r.k], ones[: r.k])
 
     def _greedy_chain(self, reqs, kv_rows, lens, logits) -> torch.Tensor:
         """Every row's argmax fed back on the device, step after step: [B, max k] drafts (-1
