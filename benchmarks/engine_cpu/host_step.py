@@ -40,7 +40,9 @@ PHASES = {
               ("cluster.engine.spec.drafting", "DraftPlanner", "ask_ahead")],
     "inputs": [("cluster.engine.worker.runner", "Runner", "forward"),
                ("cluster.engine.scheduling.kv_cache", "KVCache", "sync")],
-    "model": [("cluster.engine.worker.runner", "Runner", "run")],
+    # every eager pass, the target's and the draft model's (its chain steps are `decode`s)
+    "model": [("cluster.engine.worker.runner", "Runner", "run"),
+              ("cluster.engine.worker.runner", "Runner", "decode")],
     "acceptance": [("cluster.engine.engine", "Engine", "_acceptance")],
     "accept_stop": [("cluster.engine.engine", "Engine", "_accept"),
                     ("cluster.engine.engine", "Engine", "_keep_hidden")],

@@ -25,6 +25,24 @@ def test_model_drafter_finds_the_common_prefix_wherever_the_rows_part():
         assert _common_prefix(a, b) == reference(a, b), (len(a), len(b), reference(a, b))
 
 
+def test_held_tokens_resume_where_a_growing_row_parts_from_its_drafts():
+    """A row's held tokens keep the engine's own list, not a copy: as it grows (accepted
+    drafts, then the verifier's token), the common prefix is the whole-row comparison's; a
+    different list (a look-ahead's, a remote call's) is compared whole."""
+    from cluster.engine.drafters.model import _Held
+
+    rng = random.Random(1)
+    for _ in range(200):
+        row = [rng.randrange(50) for _ in range(rng.randrange(1, 30))]
+        drafts = [rng.randrange(50) for _ in range(rng.randrange(0, 6))]
+        held = _Held(row, len(row), drafts)
+        copy = list(row)
+        row += drafts[: rng.randrange(len(drafts) + 1)] + [rng.randrange(50) for _ in range(rng.randrange(3))]
+        copy += row[len(copy):]
+        assert held.common_prefix(row) == _common_prefix(held.tokens(), row)
+        assert held.common_prefix(copy) == _common_prefix(held.tokens(), copy)
+
+
 def test_model_drafter_samples_each_draft_from_the_q_it_reports(random_models):
     """Rejection sampling is exact only if each draft was drawn from the proposal q sent with
     it: 1,000 rows of one context, each with its own seed, draw their first draft; the counts
