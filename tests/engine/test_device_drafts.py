@@ -5,6 +5,8 @@ on eager passes and on the graph path (cluster.engine.worker.capture's stand-in)
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -29,13 +31,13 @@ def models(random_models):
 def _engine(models, tokenizer, graphs: bool) -> Engine:
     cfg = EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, max_batch_tokens=128, gamma_max=6,
                        prefill_chunk=32)
-    with eager_on_cpu() if graphs else torch.inference_mode(False):
+    with eager_on_cpu() if graphs else nullcontext():
         e = Engine(models[0], tokenizer, cfg, {"model": ModelDrafter(models[1], 16, 256)}, "model")
     assert (e.runner.graphs is not None) == graphs
     return e
 
 
-def _run(engine: Engine) -> dict[str, list[int]]:
+def _run(engine: Engine) -> list[list[int]]:
     """Greedy and seeded sampled rows at gammas 2 and 4 beside a row that does not speculate,
     all in one batch."""
     rows = [(SamplingParams(max_tokens=30, ignore_eos=True), SpecParams("fixed", 4)),
