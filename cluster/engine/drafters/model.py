@@ -64,6 +64,7 @@ class _Chain:
     """One launch's rows (those with room) and its drafts on the device."""
     reqs: list[DraftRequest]
     handles: list[KVHandle]
+    sizes: list[int]  # each row's tokens at launch (its list may grow before `finish`)
     ids: torch.Tensor | None = None  # [B, max k] int64, -1 past a row's k
     top_i: torch.Tensor | None = None  # sampled rows: [B, max k, K] support and probabilities
     top_p: torch.Tensor | None = None
@@ -209,7 +210,7 @@ class ModelDrafter(Drafter):
             feed.append(r.token_ids[n:])
         logits = self._catch_up(kv_rows, lens, feed)
         lens = [n + len(f) for n, f in zip(lens, feed)]
-        chain = _Chain(reqs, [handles[r.seq_id] for r in reqs])
+        chain = _Chain(reqs, [handles[r.seq_id] for r in reqs], [len(r.token_ids) for r in reqs])
         if all(r.params.greedy for r in reqs):
             chain.ids = self._greedy_chain(reqs, kv_rows, lens, logits)
         else:
@@ -227,7 +228,7 @@ class ModelDrafter(Drafter):
         top_i, top_p = chain.host("top_i"), chain.host("top_p")
         for b, r in enumerate(chain.reqs):
             drafts = ids[b][: r.k]
-            self.state[r.seq_id] = (chain.handles[b], _Held(r.token_ids, len(r.token_ids), drafts[:-1]))
+            self.state[r.seq_id] = (chain.handles[b], _Held(r.token_ids, chain.sizes[b], drafts[:-1]))
             if top_i is not None and not r.params.greedy:
                 out[r.seq_id] = (drafts, top_i[b, : r.k].astype(np.int32), top_p[b, : r.k])
             else:
