@@ -280,10 +280,14 @@ class ModelDrafter(Drafter):
             rows = [b for b, r in enumerate(reqs) if r.k > step + 1]
             if not rows:
                 break
-            fed = toks[-1] if len(rows) == len(reqs) else toks[-1][device_ints(rows, dev)]
-            sub = self.runner.decode([kv_rows[b] for b in rows], [lens[b] for b in rows], fed)
-            logits = logits.clone()
-            logits[rows] = sub.to(logits.dtype)
+            sel = None if len(rows) == len(reqs) else device_ints(rows, dev)  # not a list: that copy waits
+            fed = toks[-1] if sel is None else toks[-1][sel]
+            sub = self.runner.decode([kv_rows[b] for b in rows], [lens[b] for b in rows], fed).to(logits.dtype)
+            if sel is None:
+                logits = sub
+            else:
+                logits = logits.clone()
+                logits[sel] = sub
             for b in rows:
                 lens[b] += 1
         pad = kmax - len(toks)  # every row's k was reached early: nothing drafted past it
@@ -317,9 +321,12 @@ class ModelDrafter(Drafter):
         for rows in filter(None, groups):
             part = self.runner.forward([kv_rows[b] for b in rows], [lens[b] for b in rows],
                                        [feed[b] for b in rows], last_only=True)
-            if logits is None:  # fp32: graph passes give the head's dtype, eager ones fp32
+            if rows == list(range(len(feed))):  # fp32: graph passes give the head's dtype, eager ones fp32
+                return part.float()
+            if logits is None:
                 logits = part.new_empty((len(feed), part.shape[-1]), dtype=torch.float32)
-            logits[rows] = part.float()
+            # rows as a device tensor: indexing by a list copies it from pageable memory, which waits for the pass
+            logits[device_ints(rows, logits.device)] = part.float()
         return logits
 
 
