@@ -1,5 +1,5 @@
 """Drafts left on the device (Drafter.launch, DraftPlanner.launch): the verify pass reads a
-draft model's chain where it was drafted, and the host reads drafts and verify results in
+draft model's or an EAGLE-3 head's chain where it was drafted, and the host reads drafts and verify results in
 one wait. The tokens are those of drafts sent through the host, greedy and seeded sampled,
 on eager passes and on the graph path (cluster.engine.worker.capture's stand-in)."""
 
@@ -12,12 +12,14 @@ import torch
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.base import DraftRequest
+from cluster.engine.drafters.eagle3 import Eagle3Drafter
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.engine import Engine
 from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.sequence import SpecParams
 from cluster.engine.worker.capture import eager_on_cpu
 from cluster.engine.worker.loader import load_model
+from tests.engine.eagle3_factory import random_head
 
 PROMPTS = ["def f(x):\n    return f(x)\n\ndef f(", "abcabcabcabcabc", "z", "the quick brown fox " * 6, "x = [1, 2, 3]\n"]
 
@@ -28,11 +30,12 @@ def models(random_models):
             load_model(random_models["llama_draft"], torch.float32, "cpu"))
 
 
-def _engine(models, tokenizer, graphs: bool) -> Engine:
+def _engine(models, tokenizer, graphs: bool, drafter: str = "model") -> Engine:
     cfg = EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, max_batch_tokens=128, gamma_max=6,
                        prefill_chunk=32)
     with eager_on_cpu() if graphs else nullcontext():
-        e = Engine(models[0], tokenizer, cfg, {"model": ModelDrafter(models[1], 16, 256)}, "model")
+        d = ModelDrafter(models[1], 16, 256) if drafter == "model" else Eagle3Drafter(random_head(models[0], 100), 16, 300)
+        e = Engine(models[0], tokenizer, cfg, {drafter: d}, drafter)
     assert (e.runner.graphs is not None) == graphs
     return e
 
@@ -54,9 +57,10 @@ def _run(engine: Engine) -> list[list[int]]:
     return [got[i] for i in ids]
 
 
+@pytest.mark.parametrize("drafter", ["model", "eagle3"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_drafts_fed_on_the_device_give_the_tokens_of_drafts_fed_from_the_host(models, tokenizer, graphs):
-    host, device = _engine(models, tokenizer, graphs), _engine(models, tokenizer, graphs)
+def test_drafts_fed_on_the_device_give_the_tokens_of_drafts_fed_from_the_host(models, tokenizer, graphs, drafter):
+    host, device = _engine(models, tokenizer, graphs, drafter), _engine(models, tokenizer, graphs, drafter)
     host.runner.carries_drafts = False  # the drafts reach the verify pass through the host
     want, got = _run(host), _run(device)
     assert got == want

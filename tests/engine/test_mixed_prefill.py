@@ -194,15 +194,21 @@ def test_eagle3_reads_the_aux_states_of_mixed_passes(random_models, tokenizer, d
         cfg = EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, max_batch_tokens=64, prefill_chunk=16,
                            gamma_max=8, mixed_prefill=m)
         d = Eagle3Drafter(head, 8, 300, tree_width=3 if drafter == "eagle3-tree" else 0)
-        seen, propose = {}, d.propose
+        seen, propose, launch = {}, d.propose, d.launch
 
-        def recording(reqs, propose=propose, seen=seen):
-            out = propose(reqs)
+        def record(reqs, out, seen=seen):
             seen.update({(r.seq_id, len(r.token_ids)): (out.tokens[i], out.parents and out.parents[i])
                          for i, r in enumerate(reqs)})
             return out
 
-        d.propose = recording
+        def launching(reqs, launch=launch):  # drafts left on the device: recorded when read
+            pending = launch(reqs)
+            if pending is not None:
+                finish = pending.finish
+                pending.finish = lambda: record(reqs, finish())
+            return pending
+
+        d.propose, d.launch = (lambda reqs, propose=propose: record(reqs, propose(reqs))), launching
         e = Engine(target, tokenizer, cfg, {drafter: d}, drafter)
         outs[m] = _staggered(e, SamplingParams(max_tokens=24, ignore_eos=True), SpecParams("fixed", 4), drafter)
         drafts[m] = seen

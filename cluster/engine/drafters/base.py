@@ -85,6 +85,22 @@ class PendingDrafts:
         return self.ids
 
 
+def host_copies(**tensors: torch.Tensor | None) -> tuple[dict, object | None]:
+    """Copies of device tensors to pinned host memory, queued on the current stream, and an
+    event recorded after them (wait on it, then read the copies as numpy). On a CPU the
+    tensors themselves and no event."""
+    if not any(t is not None and t.is_cuda for t in tensors.values()):
+        return tensors, None
+    out = {}
+    for name, t in tensors.items():
+        out[name] = None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        if t is not None:
+            out[name].copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return out, done
+
+
 def one_hot(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """A greedy proposal's support and probabilities: [n, 1] each."""
     return np.asarray(tokens, np.int32).reshape(-1, 1), np.ones((len(tokens), 1), np.float32)

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from cluster.engine.drafters.base import TOPK, Drafter, DraftOutput, DraftRequest, draft_keys, draft_uniforms, empty_rows, pick
+from cluster.engine.drafters.base import (TOPK, Drafter, DraftOutput, DraftRequest, PendingDrafts, draft_keys,
+                                          draft_uniforms, empty_rows, host_copies, pick)
 from cluster.engine.drafters.eagle3_head import Eagle3Head
-from cluster.engine.sampling import target_probs
+from cluster.engine.sampling import device_values, target_probs
 from cluster.engine.scheduling.kv_cache import KVCache, KVHandle
-from cluster.engine.worker.attention import AttnContext, make_backend
+from cluster.engine.worker.attention import AttnContext, device_ints, make_backend
 from cluster.engine.worker.capture import for_device as capture_for
 
 BLOCK = 16  # tokens per block of the head's cache
@@ -130,7 +131,14 @@ class Eagle3Drafter(Drafter):
     # ---- drafting ----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> DraftOutput:
-        t0 = time.perf_counter()
+        pending = self.launch(requests)
+        return pending.finish() if pending is not None else self._propose_trees(requests)
+
+    def _trees(self, requests: list[DraftRequest]) -> bool:
+        return bool(self.tree_width) and all(r.params.greedy for r in requests if r.k > 0)
+
+    def _live(self, requests: list[DraftRequest]) -> list[tuple[int, _State]]:
+        """After catching every row up: the rows that draft (index, state)."""
         keep = {r.seq_id for r in requests}
         rows, states = [], []
         for b, r in enumerate(requests):
@@ -139,28 +147,62 @@ class Eagle3Drafter(Drafter):
                 rows.append(b)
                 states.append(st)
         self._catch_up([requests[b] for b in rows], states)
-        live = [(b, st) for b, st in zip(rows, states)
+        return [(b, st) for b, st in zip(rows, states)
                 if requests[b].k > 0 and st.out is not None and st.n == len(requests[b].token_ids) - 1
                 and self._room(st, st.n - st.base + requests[b].k, keep)]
+
+    def _propose_trees(self, requests: list[DraftRequest]) -> DraftOutput:
+        from cluster.engine.drafters.eagle3_tree import draft_tree
+
+        t0 = time.perf_counter()
+        live = self._live(requests)
         tokens: list[list[int]] = [[] for _ in requests]
-        q_ids: list[list] = [[] for _ in requests]
-        q_probs: list[list] = [[] for _ in requests]
-        parents = None
+        parents: list[list[int] | None] = [None] * len(requests)
+        if live:
+            trees = draft_tree(self, [requests[b] for b, _ in live], [st for _, st in live], self.tree_width)
+            for (b, _), (toks, par) in zip(live, trees):
+                tokens[b], parents[b] = toks, par
+        ones = [[[t] for t in toks] for toks in tokens], [[[1.0] for _ in toks] for toks in tokens]
+        return DraftOutput(tokens, *empty_rows(tokens, *ones), time.perf_counter() - t0, parents)
+
+    @torch.inference_mode()
+    def launch(self, requests: list[DraftRequest]) -> PendingDrafts | None:
+        """Chains drafted on the device and one copy to the host (trees: None, `propose`)."""
+        if self._trees(requests):
+            return None
+        t0 = time.perf_counter()
+        live = self._live(requests)
+        counts = [0] * len(requests)
+        for b, _ in live:
+            counts[b] = requests[b].k
+        ids, host, ready = torch.full((len(requests), 0), -1, dtype=torch.int64), None, None
         if live:
             reqs = [requests[b] for b, _ in live]
-            sts = [st for _, st in live]
-            if self.tree_width and all(r.params.greedy for r in reqs):
-                from cluster.engine.drafters.eagle3_tree import draft_tree
+            chain, top_t, top_p = self._chain(reqs, [st for _, st in live])
+            ids = chain
+            if len(live) != len(requests):  # rows that draft nothing: -1
+                ids = chain.new_full((len(requests), chain.shape[1]), -1)
+                ids[device_ints([b for b, _ in live], chain.device)] = chain
+            host, ready = host_copies(ids=chain, top_t=top_t, top_p=top_p)
 
-                trees = draft_tree(self, reqs, sts, self.tree_width)
-                parents = [None] * len(requests)
-                for (b, _), (toks, par) in zip(live, trees):
-                    tokens[b], parents[b] = toks, par
-                    q_ids[b], q_probs[b] = [[t] for t in toks], [[1.0] for _ in toks]
-            else:
-                for (b, _), (toks, ids, ps) in zip(live, self._chain(reqs, sts)):
-                    tokens[b], q_ids[b], q_probs[b] = toks, ids, ps
-        return DraftOutput(tokens, *empty_rows(tokens, q_ids, q_probs), time.perf_counter() - t0, parents)
+        def finish() -> DraftOutput:
+            tokens: list[list[int]] = [[] for _ in requests]
+            q_ids: list = [[] for _ in requests]
+            q_probs: list = [[] for _ in requests]
+            if host is not None:
+                if ready is not None:
+                    ready.synchronize()
+                flat = host["ids"].numpy().tolist()
+                for j, (b, _) in enumerate(live):
+                    r = requests[b]
+                    tokens[b] = flat[j][: r.k]
+                    if host["top_t"] is not None and not r.params.greedy:  # q: the cut distribution drawn from
+                        q_ids[b], q_probs[b] = host["top_t"][j, : r.k].numpy(), host["top_p"][j, : r.k].numpy()
+                    else:
+                        q_ids[b], q_probs[b] = [[t] for t in tokens[b]], [[1.0] for _ in tokens[b]]
+            return DraftOutput(tokens, *empty_rows(tokens, q_ids, q_probs), time.perf_counter() - t0)
+
+        return PendingDrafts(ids, counts, ready, finish)
 
     def _catch_up(self, reqs: list[DraftRequest], states: list[_State]) -> None:
         """Run the head over each row's new target-fed positions (n .. end of its aux)."""
@@ -216,56 +258,43 @@ class Eagle3Drafter(Drafter):
         logits = self.head.logits(new)
         return new, logits, self.head.target_ids(logits.argmax(-1))
 
-    def _chain(self, reqs: list[DraftRequest], sts: list[_State]) -> list[tuple[list, list, list]]:
-        """Each row's chain of r.k drafts (target ids) with its proposals (support, probabilities)."""
+    def _chain(self, reqs: list[DraftRequest], sts: list[_State]):
+        """Each row's chain of r.k drafts (target ids) on the device: [B, max k] (-1 past a row's
+        k), and for sampled rows each draft's support and probabilities [B, max k, K] (else None)."""
         head, k_max = self.head, max(r.k for r in reqs)
         greedy = all(r.params.greedy for r in reqs)
-        keys = None if greedy else torch.tensor(draft_keys(reqs), device=self.device)
-        at = None if greedy else torch.tensor([len(r.token_ids) for r in reqs], device=self.device)
+        keys = None if greedy else device_values(draft_keys(reqs), torch.int64, self.device)
+        at = None if greedy else device_values([len(r.token_ids) for r in reqs], torch.int64, self.device)
         out = torch.stack([st.out for st in sts])
         logits = head.logits(out)                                       # [B, draft_vocab]
         argmax = head.target_ids(logits.argmax(-1)) if greedy else None
-        res: list[tuple[list, list, list]] = [([], [], []) for _ in reqs]
-        picks = []
+        toks, tts, tps = [], [], []
         for step in range(k_max):
-            if greedy:  # argmax fed back on the device; one copy to the host at the end
+            if greedy:  # argmax fed back on the device
                 tok = argmax
-                picks.append(tok)
             else:
-                tok = self._sample(reqs, logits, draft_uniforms(keys, at + step), res, step)
+                tok, top_t, top_p = self._sample(reqs, logits, draft_uniforms(keys, at + step))
+                tts.append(top_t)
+                tps.append(top_p)
+            toks.append(tok)
             if step + 1 == k_max:
                 break
             out, logits, argmax = self._step(sts, [st.n - st.base + step for st in sts], tok, out)
             if greedy:
                 argmax = argmax.clone()  # the graph's buffer: the next step writes it
-        if greedy:
-            flat = torch.stack(picks, 1).tolist()
-            for b, r in enumerate(reqs):
-                toks = flat[b][: r.k]
-                res[b] = (toks, [[t] for t in toks], [[1.0] for _ in toks])
-        return [(t[: r.k], i[: r.k], p[: r.k]) for (t, i, p), r in zip(res, reqs)]
+        ids = torch.stack(toks, 1)
+        ks = device_values([r.k for r in reqs], torch.int64, self.device)
+        ids.masked_fill_(torch.arange(k_max, device=self.device) >= ks[:, None], -1)
+        return ids, (torch.stack(tts, 1) if tts else None), (torch.stack(tps, 1) if tps else None)
 
-    def _sample(self, reqs, logits, u, res, step: int) -> torch.Tensor:
-        """Step `step`'s draft of each row: the argmax for greedy rows, else a draw by the
-        uniform u [B] from the row's processed draft distribution cut to its top-K (q is
-        exactly that cut). One copy to the host."""
+    def _sample(self, reqs, logits, u):
+        """Each row's draft by the uniform u [B] from its processed draft distribution cut to
+        its top-K (q is exactly that cut; greedy rows: the argmax), on the device: (drafts [B],
+        support in target ids [B, K], probabilities [B, K])."""
         probs = target_probs(logits, [r.params for r in reqs])
         top_p, top_i = probs.topk(min(TOPK, probs.shape[-1]), dim=-1)
         top_p = top_p / top_p.sum(-1, keepdim=True)
         top_t = self.head.target_ids(top_i)
-        greedy = torch.tensor([r.params.greedy for r in reqs], device=top_p.device)
+        greedy = device_values([r.params.greedy for r in reqs], torch.bool, top_p.device)
         j = pick(top_p, u).masked_fill(greedy, 0)
-        tok_h, top_t, top_p = (t.tolist() for t in (top_t.gather(-1, j[:, None])[:, 0], top_t, top_p))
-        toks = []
-        for b, r in enumerate(reqs):
-            if r.params.greedy:
-                ids, ps = [top_t[b][0]], [1.0]
-            else:
-                ids, ps = top_t[b], top_p[b]
-            toks.append(tok_h[b])
-            if step < r.k:
-                t, i, p = res[b]
-                t.append(toks[-1])
-                i.append(ids + [ids[0]] * (len(top_t[b]) - len(ids)))  # rectangular rows
-                p.append(ps + [0.0] * (len(top_t[b]) - len(ps)))
-        return torch.tensor(toks, dtype=torch.int64, device=self.device)
+        return top_t.gather(-1, j[:, None])[:, 0], top_t, top_p

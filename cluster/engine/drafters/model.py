@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from cluster.engine.drafters.base import (TOPK, Drafter, DraftOutput, DraftRequest, PendingDrafts, draft_keys,
-                                          draft_uniforms, one_hot, pick)
+                                          draft_uniforms, host_copies, one_hot, pick)
 from cluster.engine.sampling import device_values, target_probs
 from cluster.engine.scheduling.kv_cache import KVCache, KVHandle
 from cluster.engine.worker.attention import device_ints
@@ -68,20 +68,7 @@ class _Chain:
     ids: torch.Tensor | None = None  # [B, max k] int64, -1 past a row's k
     top_i: torch.Tensor | None = None  # sampled rows: [B, max k, K] support and probabilities
     top_p: torch.Tensor | None = None
-    copies: dict | None = None  # name -> host copy (pinned, filled after the drafts on the stream)
-
-    def to_host(self) -> None:
-        self.copies = {}
-        for name in ("ids", "top_i", "top_p"):
-            t = getattr(self, name)
-            if t is not None:
-                self.copies[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                self.copies[name].copy_(t, non_blocking=True)
-
-    def host(self, name: str) -> np.ndarray | None:
-        """The host copy (a GPU's: read after its event) or the tensor itself (a CPU's)."""
-        t = self.copies.get(name) if self.copies is not None else getattr(self, name)
-        return None if t is None else t.numpy()
+    host: dict | None = None  # their host copies (host_copies)
 
 
 class ModelDrafter(Drafter):
@@ -174,10 +161,8 @@ class ModelDrafter(Drafter):
                 if len(chain.reqs) != len(requests):  # rows that draft nothing: -1
                     ids = ids.new_full((len(requests), ids.shape[1]), -1)
                     ids[device_ints([i for i, r in enumerate(requests) if r.seq_id in drafted], ids.device)] = chain.ids
-                if ids.is_cuda:
-                    chain.to_host()
-                    ready = torch.cuda.Event()
-                    ready.record()  # on the stream drafting (its own, or the caller's): after ids and copies
+                # on the stream drafting (its own, or the caller's): the event follows ids and copies
+                chain.host, ready = host_copies(ids=chain.ids, top_i=chain.top_i, top_p=chain.top_p)
 
         def finish() -> DraftOutput:
             out = {r.seq_id: ([], *one_hot([])) for r in requests}
@@ -220,12 +205,12 @@ class ModelDrafter(Drafter):
     def _finish(self, chain: _Chain, out: dict) -> None:
         """The drafts on the host: each row's tokens and proposals, and the drafter's state
         (the tokens whose KV it now holds: the last draft was never fed)."""
-        host = chain.host("ids")
+        host = chain.host["ids"].numpy()
         ids = host.tolist()
         # greedy rows' one-hot proposals: views of one array each, not two arrays a row
         one_ids, ones = host.astype(np.int32)[..., None], np.ones((host.shape[1], 1), np.float32)
         ones.flags.writeable = False
-        top_i, top_p = chain.host("top_i"), chain.host("top_p")
+        top_i, top_p = (None if t is None else t.numpy() for t in (chain.host["top_i"], chain.host["top_p"]))
         for b, r in enumerate(chain.reqs):
             drafts = ids[b][: r.k]
             self.state[r.seq_id] = (chain.handles[b], _Held(r.token_ids, chain.sizes[b], drafts[:-1]))
