@@ -368,7 +368,7 @@ def test_calls_waiting_together_from_different_verifiers_are_drafted_as_one_batc
     gets its own rows back, and the second call of the same verifier comes after."""
     from cluster.serve.draft_rpc import DraftingClient, DraftServer, split_output
 
-    busy, batches = threading.Event(), []
+    busy, entered, batches = threading.Event(), threading.Event(), []
 
     def echo(requests):  # each row drafts its own length: whose row is whose shows
         return DraftOutput([[len(r.token_ids)] for r in requests],
@@ -376,6 +376,7 @@ def test_calls_waiting_together_from_different_verifiers_are_drafted_as_one_batc
                            [np.ones((1, 1), np.float32) for _ in requests], seconds=0.5)
 
     def propose(requests, starts, release, caller):
+        entered.set()
         busy.wait(5)
         batches.append([caller])
         return echo(requests), [False] * len(requests)
@@ -387,15 +388,26 @@ def test_calls_waiting_together_from_different_verifiers_are_drafted_as_one_batc
         return [(p, [False] * len(c[0])) for p, c in zip(parts, calls)]
 
     server = DraftServer(propose, "127.0.0.1", propose_many=propose_many)
+    read, seen = server._waiting, [0]
+
+    def waiting():  # on the server's thread: once the first call is in, its read takes all three behind it
+        calls = read()
+        deadline = time.monotonic() + 10
+        while entered.is_set() and seen[0] + len(calls) < 4 and time.monotonic() < deadline:
+            server.socket.poll(50)
+            calls += read()
+        seen[0] += len(calls)
+        return calls
+
+    server._waiting = waiting  # the socket's timing only: batching is the server's own
     a, b = DraftingClient(server.address), DraftingClient(server.address)
     try:
         first = a.propose([DraftRequest("a0", [1], 1)], [0], [], "va", 5.0)  # occupies the drafter
-        time.sleep(0.2)
+        assert entered.wait(10)
         second = b.propose([DraftRequest("b1", [1] * 2, 1), DraftRequest("b2", [1] * 3, 1)], [0, 0], [], "vb", 5.0)
         third = a.propose([DraftRequest("a1", [1] * 4, 1)], [0], [], "va", 5.0)
         again = a.propose([DraftRequest("a2", [1] * 5, 1)], [0], [], "va", 5.0)
-        time.sleep(0.3)  # all three wait behind the first
-        busy.set()
+        busy.set()  # all three are read together behind the first, however late they arrive
         assert first.result().tokens == [[1]]
         assert second.result().tokens == [[2], [3]] and third.result().tokens == [[4]]
         assert again.result().tokens == [[5]]
