@@ -229,7 +229,6 @@ class ModelDrafter(Drafter):
         out[:, 0] = logits.argmax(-1)
         rows = list(range(len(reqs)))
         for step in range(1, max(ks)):
-            idx = rows
             rows = [b for b in rows if ks[b] > step]
             if not rows:
                 break
