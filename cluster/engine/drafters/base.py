@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cluster.engine.sampling import SamplingParams
+from cluster.engine.sampling import SamplingParams, device_values
 
 TOPK = 32  # support kept for sampled proposals; greedy proposals are one-hot
 
@@ -83,6 +83,15 @@ class PendingDrafts:
             stream.wait_event(self.ready)
             self.ids.record_stream(stream)  # made on the drafter's stream, read on this one
         return self.ids
+
+
+def spread(ids: torch.Tensor, rows: list[int], n: int) -> torch.Tensor:
+    """Drafts [len(rows), k] of rows `rows` among n requests as [n, k], -1 in the others."""
+    if len(rows) == n:
+        return ids
+    out = ids.new_full((n, ids.shape[1]), -1)
+    out[device_values(rows, torch.int64, ids.device)] = ids  # pinned: no wait for the GPU
+    return out
 
 
 def host_copies(**tensors: torch.Tensor | None) -> tuple[dict, object | None]:

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from cluster.engine.drafters.base import (TOPK, Drafter, DraftOutput, DraftRequest, PendingDrafts, draft_keys,
-                                          draft_uniforms, empty_rows, host_copies, pick)
+                                          draft_uniforms, empty_rows, host_copies, pick, spread)
 from cluster.engine.drafters.eagle3_head import Eagle3Head
 from cluster.engine.sampling import device_values, target_probs
 from cluster.engine.scheduling.kv_cache import KVCache, KVHandle
-from cluster.engine.worker.attention import AttnContext, device_ints, make_backend
+from cluster.engine.worker.attention import AttnContext, make_backend
 from cluster.engine.worker.capture import for_device as capture_for
 
 BLOCK = 16  # tokens per block of the head's cache
@@ -179,10 +179,7 @@ class Eagle3Drafter(Drafter):
         if live:
             reqs = [requests[b] for b, _ in live]
             chain, top_t, top_p = self._chain(reqs, [st for _, st in live])
-            ids = chain
-            if len(live) != len(requests):  # rows that draft nothing: -1
-                ids = chain.new_full((len(requests), chain.shape[1]), -1)
-                ids[device_ints([b for b, _ in live], chain.device)] = chain
+            ids = spread(chain, [b for b, _ in live], len(requests))
             host, ready = host_copies(ids=chain, top_t=top_t, top_p=top_p)
 
         def finish() -> DraftOutput:

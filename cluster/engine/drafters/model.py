@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from cluster.engine.drafters.base import (TOPK, Drafter, DraftOutput, DraftRequest, PendingDrafts, draft_keys,
-                                          draft_uniforms, host_copies, one_hot, pick)
+                                          draft_uniforms, host_copies, one_hot, pick, spread)
 from cluster.engine.sampling import device_values, target_probs
 from cluster.engine.scheduling.kv_cache import KVCache, KVHandle
 from cluster.engine.worker.attention import device_ints
@@ -157,10 +157,7 @@ class ModelDrafter(Drafter):
             drafted = {r.seq_id: r.k for r in (chain.reqs if chain else [])}
             counts = [drafted.get(r.seq_id, 0) for r in requests]
             if chain is not None:
-                ids = chain.ids
-                if len(chain.reqs) != len(requests):  # rows that draft nothing: -1
-                    ids = ids.new_full((len(requests), ids.shape[1]), -1)
-                    ids[device_ints([i for i, r in enumerate(requests) if r.seq_id in drafted], ids.device)] = chain.ids
+                ids = spread(chain.ids, [i for i, r in enumerate(requests) if r.seq_id in drafted], len(requests))
                 # on the stream drafting (its own, or the caller's): the event follows ids and copies
                 chain.host, ready = host_copies(ids=chain.ids, top_i=chain.top_i, top_p=chain.top_p)
 

@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.engine.drafters.base import Drafter, DraftOutput, DraftRequest, PendingDrafts
+from cluster.engine.drafters.base import Drafter, DraftOutput, DraftRequest, PendingDrafts, spread
 from cluster.engine.scheduling.sequence import Sequence
-from cluster.engine.worker.attention import device_ints
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +110,7 @@ class DraftPlanner:
         counts = [0] * n
         for j, b in enumerate(idx):
             counts[b] = pending.counts[j]
-        ids = pending.device_ids()  # this stream waits for the drafts: the verify pass reads them
-        if idx != list(range(n)):
-            full = ids.new_full((n, ids.shape[1]), -1)
-            full[device_ints(idx, ids.device)] = ids
-            ids = full
+        ids = spread(pending.device_ids(), idx, n)  # this stream waits for the drafts: the verify pass reads them
 
         def finish() -> DraftOutput:
             t = time.perf_counter()
