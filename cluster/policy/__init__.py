@@ -22,14 +22,8 @@ from cluster.policy.config import (
     load_autoscaling,
     load_policy,
 )
-from cluster.policy.controller import (
-    Controller,
-    GoodputController,
-    StaticController,
-    StepObservation,
-    TableController,
-    make_controller,
-)
+from cluster.policy.controller import GoodputController, StepObservation, make_controller
+from cluster.policy.static import Controller, StaticController, TableController
 
 __all__ = [
     "AutoscalingPolicyConfig", "Controller", "DRAFT_TOKENS_METRIC", "DraftDemandMeter",

@@ -44,82 +44,34 @@ choice between speculating and not rests on steps measured at this load. A corre
 older than MEASURED_FOR steps lapses; speculating in a bucket whose plain cost is not
 measured triggers a gamma-0 probe (three steps where plain decoding runs ahead, so the
 third is a pipelined one).
+
+Turning drafting on after a plain run has a price of its own: a draft model first runs over
+everything its rows missed, each new prompt whole (126-261 ms at 55-64 rows on an H100 against
+8-9 ms plain steps, benchmarks/gpu/h100/sweep_2026-11-27). Probes up from plain decoding read it
+(`_learn_switch`) and are paced by it; a switch up happens only where speculative steps at this
+load are measured, once the time speculation would have saved covers it (`_pays_to_switch`).
 """
 
 from __future__ import annotations
-
-import math
-from typing import Protocol
 
 from cluster.engine.observation import StepObservation
 from cluster.policy.acceptance import Acceptance
 from cluster.policy.config import SpeculationPolicyConfig
 from cluster.policy.fit import CostFit
+from cluster.policy.static import BaseController, Controller, StaticController, TableController
+
+__all__ = ["GoodputController", "StepObservation", "make_controller"]
 
 REFIT_EVERY = 4  # steps between cost re-fits on the hot path (the costs drift slowly)
 DITHER_EVERY = 4  # every 4th step runs at gamma +-1 (see GoodputController._dither)
 MEASURED_FOR = 256  # steps a bucket's measured/modelled correction stays in force
 BUDGET_WINDOW = 4096  # steps over which probe charges and run time fade (the budget's window)
 CORRECT_ALPHA = 0.1  # EWMA weight of a step in a correction (its first step sets it)
+SWITCH_AFTER = 16  # plain steps in a row after which drafting again pays the drafter's catch-up
+SWITCH_FADE = 0.9  # what a probe's reading of the catch-up keeps at the next (see _learn_switch)
 
 
-class Controller(Protocol):
-    def gamma(self, batch_size: int, cluster_inflight: int = 0) -> int: ...
-    def observe(self, obs: StepObservation) -> None: ...
-    def snapshot(self) -> dict: ...
-    def set_num_verifier_replicas(self, n: int) -> None: ...
-
-
-class _Base:
-    """Shared concurrency signal; observe is a no-op for modes that do not learn."""
-
-    def __init__(self, cfg: SpeculationPolicyConfig):
-        self.cfg = cfg
-        self.num_verifier_replicas = 1
-        self._last = 0
-
-    def set_num_verifier_replicas(self, n: int) -> None:
-        """Called by the verifier when it learns the pool size (e.g. from routing stats)."""
-        self.num_verifier_replicas = max(1, int(n))
-
-    def concurrency(self, batch_size: int, cluster_inflight: int) -> float:
-        return max(float(batch_size), cluster_inflight / self.num_verifier_replicas)
-
-    def observe(self, obs: StepObservation) -> None:
-        pass
-
-    def snapshot(self) -> dict:
-        return {"mode": self.cfg.mode, "gamma": self._last}
-
-
-class StaticController(_Base):
-    """off -> 0, fixed -> cfg.gamma."""
-
-    def gamma(self, batch_size: int, cluster_inflight: int = 0) -> int:
-        self._last = self.cfg.gamma if self.cfg.mode == "fixed" else 0
-        return self._last
-
-
-class TableController(_Base):
-    """Looks gamma up by concurrency; below the first row or above the last, the nearest row."""
-
-    def __init__(self, cfg: SpeculationPolicyConfig):
-        super().__init__(cfg)
-        self._rows = sorted((r.min_concurrency, r.max_concurrency, r.gamma) for r in cfg.table)
-
-    def gamma(self, batch_size: int, cluster_inflight: int = 0) -> int:
-        # Ceil: a fractional cluster average counts as the next whole sequence (conservative).
-        c = math.ceil(self.concurrency(batch_size, cluster_inflight))
-        g = self._rows[0][2] if c < self._rows[0][0] else self._rows[-1][2]
-        for lo, hi, rg in self._rows:
-            if lo <= c <= hi:
-                g = rg
-                break
-        self._last = g
-        return g
-
-
-class GoodputController(_Base):
+class GoodputController(BaseController):
     """Chooses the gamma that maximises expected tokens per second (see module docstring)."""
 
     def __init__(self, cfg: SpeculationPolicyConfig):
@@ -141,6 +93,11 @@ class GoodputController(_Base):
         # step it lands in; a tighter clip keeps those spikes from reading as step costs.
         self._draft = CostFit(3, cfg.cost_alpha, [0.0, eps, 10 * eps], min(clip, 1.5) if clip else 0.0, warm)
         self._drafted_before = False  # did the previous step draft (see observe)
+        self._plain_run = 0  # plain steps since the last drafting one
+        self._switch_row = 0.0  # seconds a row adds to the first drafting step after a plain run
+        self._bank = 0.0  # seconds speculating would have saved since it first looked better (gamma)
+        self._since_up_s = 0.0  # seconds run since the last probe up from plain decoding
+        self._probing_up = False  # this step is such a probe's first
         self._prefill = 0.0  # EWMA of non-decode tokens per step
         self._steps = 0
         self._probes = 0
@@ -175,6 +132,11 @@ class GoodputController(_Base):
         # make would be noise. A drafting step after plain ones pays the drafter's catch-up.
         seconds = obs.step_s or obs.verify_s + obs.draft_s
         self._account(b, seconds)
+        self._since_up_s += seconds
+        if spec and self._probing_up and self._plain_run >= SWITCH_AFTER:
+            self._learn_switch(b, seconds, obs.gamma)
+        self._probing_up = False
+        self._plain_run = 0 if spec else self._plain_run + 1
         if (obs.pipelined or spec) and (self._drafted_before or not spec):
             self._correct(b, spec, seconds, obs.drafted / b, extra)
         if obs.pipelined:  # not a lone step's cost: the fit models lone steps
@@ -206,6 +168,30 @@ class GoodputController(_Base):
 
     def _within_budget(self) -> bool:
         return self._probe_s <= self.cfg.explore_budget * self._run_s
+
+    def _learn_switch(self, b: int, seconds: float, g: int) -> None:
+        """A probe up from a plain run: its excess over a modelled step at its gamma is the drafter
+        catching up on what every row missed (a draft model runs over each new prompt). That
+        grows with the run, to a whole context a row, and a probe after a short run reads less:
+        the largest reading is kept, fading by SWITCH_FADE a probe."""
+        excess = max(0.0, seconds - self._step_times(b)[min(g, self.cfg.gamma_max)])
+        self._switch_row = max(excess / b, SWITCH_FADE * self._switch_row)
+
+    def _switch_cost(self, b: float) -> float:
+        """Predicted seconds the next drafting step adds by catching the drafter up."""
+        return self._switch_row * b if self._plain_run >= SWITCH_AFTER else 0.0
+
+    def _pays_to_switch(self, v: list[float], g: int, b: float) -> bool:
+        """Rent or buy: from plain decoding, speculate once the time it would have saved since it
+        first looked better covers the switch (the drafter's catch-up). A switch that is won back
+        at once goes at once; one that speculation would never win back does not flap. Only where
+        speculative steps at this load are measured (else a probe, paced by its cost, measures
+        them first): a modelled gain alone is no reason to pay a catch-up."""
+        self._bank += b / v[0] - b / v[g]
+        if self._bank < self._switch_cost(b):
+            return False
+        self._bank = 0.0
+        return True
 
     def _correct(self, b: int, spec: bool, seconds: float, g: float, prefill: float) -> None:
         """Fold one measured step into its bucket's measured/modelled correction."""
@@ -301,6 +287,10 @@ class GoodputController(_Base):
             return None
         self._probed_at = self._steps
         if self._last == 0:
+            # A probe up pays the drafter's catch-up: paid from the time run since the last one
+            if self._switch_cost(b) > self.cfg.explore_budget * self._since_up_s:
+                return None
+            self._since_up_s, self._probing_up = 0.0, True
             # The best speculative gamma as predicted (at high load a short one: a probe at
             # the configured gamma would cost several plain steps), twice: the first step's
             # drafts pay the drafter's catch-up (not fitted).
@@ -346,7 +336,10 @@ class GoodputController(_Base):
             return self._dither()
         best_g = max(range(len(v)), key=v.__getitem__)
         if best_g != self._last and v[best_g] >= v[self._last] * (1.0 + cfg.hysteresis):
-            self._last = best_g
+            if self._last or (self._correction(c, True) is not None and self._pays_to_switch(v, best_g, c)):
+                self._last = best_g
+        else:
+            self._bank = 0.0
         return self._last
 
     def snapshot(self) -> dict:
@@ -363,6 +356,7 @@ class GoodputController(_Base):
             "steps": self._steps,
             "probes": self._probes,
             "probe_time_share": round(self._probe_s / self._run_s, 4) if self._run_s else 0.0,
+            "switch_s_per_row": self._switch_row,  # the drafter's catch-up, switching from plain
             # per bucket of batch sizes (its smallest): measured over modelled step time
             "measured_over_model": {f"{1 << (k - 1)}{'/spec' if sp else '/plain'}": round(m[0], 3)
                                     for (k, sp), m in sorted(self._measured.items())
