@@ -82,8 +82,7 @@ class Engine:
         self.backend = model.backend.name
         self.pipeline = self.runner.ahead  # the runner's launch-ahead mode (None under TP or without graphs)
         self.scheduler = Scheduler(cfg, self.kv, mixed=cfg.mixed_prefill and self.runner.can_mix)
-        self.drafters = drafters or {}
-        self.default_drafter = default_drafter
+        self.drafters, self.default_drafter = drafters or {}, default_drafter
         self.planner = DraftPlanner(self.drafters, default_drafter)
         self.startup["memory_s"] = time.perf_counter() - t_start  # the KV pool, sized by a pass (compiles)
         if p.device.type == "cuda" or self.runner.graphs is not None:  # compiled pieces, GEMV tuning and graphs now
@@ -113,8 +112,9 @@ class Engine:
     @controller.setter
     def controller(self, ctrl) -> None:
         self._controller = ctrl
-        if ctrl is not None and hasattr(ctrl, "plain_runs_ahead"):  # it prices gamma 0 by that
+        if ctrl is not None and hasattr(ctrl, "plain_runs_ahead"):  # it prices gamma 0, and a switch up
             ctrl.plain_runs_ahead = self.pipeline is not None
+            ctrl.drafter_lag = lambda: self.planner.lag([s for s in self.scheduler.running if s.spec.mode == "auto"])
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str | None = "model",

@@ -47,9 +47,10 @@ third is a pipelined one).
 
 Turning drafting on after a plain run has a price of its own: a draft model first runs over
 everything its rows missed, each new prompt whole (126-261 ms at 55-64 rows on an H100 against
-8-9 ms plain steps, benchmarks/gpu/h100/sweep_2026-11-27). Probes up from plain decoding read it
-(`_learn_switch`) and are paced by it; a switch up happens only where speculative steps at this
-load are measured, once the time speculation would have saved covers it (`_pays_to_switch`).
+8-9 ms plain steps, benchmarks/gpu/h100/sweep_2026-11-27). The engine tells how many tokens that
+is (`drafter_lag`); probes up from plain decoding read its cost a token (`_learn_switch`) and are
+paced by it; a switch up happens only where speculative steps at this load are measured, once
+the time speculation would have saved covers it (`_pays_to_switch`).
 """
 
 from __future__ import annotations
@@ -67,7 +68,6 @@ DITHER_EVERY = 4  # every 4th step runs at gamma +-1 (see GoodputController._dit
 MEASURED_FOR = 256  # steps a bucket's measured/modelled correction stays in force
 BUDGET_WINDOW = 4096  # steps over which probe charges and run time fade (the budget's window)
 CORRECT_ALPHA = 0.1  # EWMA weight of a step in a correction (its first step sets it)
-SWITCH_AFTER = 16  # plain steps in a row after which drafting again pays the drafter's catch-up
 SWITCH_FADE = 0.9  # what a probe's reading of the catch-up keeps at the next (see _learn_switch)
 
 
@@ -93,11 +93,12 @@ class GoodputController(BaseController):
         # step it lands in; a tighter clip keeps those spikes from reading as step costs.
         self._draft = CostFit(3, cfg.cost_alpha, [0.0, eps, 10 * eps], min(clip, 1.5) if clip else 0.0, warm)
         self._drafted_before = False  # did the previous step draft (see observe)
-        self._plain_run = 0  # plain steps since the last drafting one
-        self._switch_row = 0.0  # seconds a row adds to the first drafting step after a plain run
+        # set by an engine: () -> tokens its drafters would run over before drafting every row
+        self.drafter_lag = None
+        self._switch = [0.0, 0.0]  # probes up: excess seconds, lagged tokens (faded sums)
         self._bank = 0.0  # seconds speculating would have saved since it first looked better (gamma)
         self._since_up_s = 0.0  # seconds run since the last probe up from plain decoding
-        self._probing_up = False  # this step is such a probe's first
+        self._probe_lag = None  # the lag at the probe up this step is the first of
         self._prefill = 0.0  # EWMA of non-decode tokens per step
         self._steps = 0
         self._probes = 0
@@ -133,10 +134,9 @@ class GoodputController(BaseController):
         seconds = obs.step_s or obs.verify_s + obs.draft_s
         self._account(b, seconds)
         self._since_up_s += seconds
-        if spec and self._probing_up and self._plain_run >= SWITCH_AFTER:
+        if spec and self._probe_lag:
             self._learn_switch(b, seconds, obs.gamma)
-        self._probing_up = False
-        self._plain_run = 0 if spec else self._plain_run + 1
+        self._probe_lag = None
         if (obs.pipelined or spec) and (self._drafted_before or not spec):
             self._correct(b, spec, seconds, obs.drafted / b, extra)
         if obs.pipelined:  # not a lone step's cost: the fit models lone steps
@@ -170,16 +170,18 @@ class GoodputController(BaseController):
         return self._probe_s <= self.cfg.explore_budget * self._run_s
 
     def _learn_switch(self, b: int, seconds: float, g: int) -> None:
-        """A probe up from a plain run: its excess over a modelled step at its gamma is the drafter
-        catching up on what every row missed (a draft model runs over each new prompt). That
-        grows with the run, to a whole context a row, and a probe after a short run reads less:
-        the largest reading is kept, fading by SWITCH_FADE a probe."""
+        """A probe up from plain decoding: its excess over a modelled step at its gamma is the
+        drafter catching up on the tokens it lagged (a draft model runs over each new prompt).
+        Seconds a token is the ratio of faded sums, so a probe after a short run (few tokens,
+        mostly noise) weighs little."""
         excess = max(0.0, seconds - self._step_times(b)[min(g, self.cfg.gamma_max)])
-        self._switch_row = max(excess / b, SWITCH_FADE * self._switch_row)
+        self._switch = [SWITCH_FADE * self._switch[0] + excess, SWITCH_FADE * self._switch[1] + self._probe_lag]
 
-    def _switch_cost(self, b: float) -> float:
-        """Predicted seconds the next drafting step adds by catching the drafter up."""
-        return self._switch_row * b if self._plain_run >= SWITCH_AFTER else 0.0
+    def _switch_cost(self) -> float:
+        """Predicted seconds the next drafting step adds by catching the drafters up (0 where
+        no engine tells their lag)."""
+        s, n = self._switch
+        return s / n * self.drafter_lag() if n and self.drafter_lag else 0.0
 
     def _pays_to_switch(self, v: list[float], g: int, b: float) -> bool:
         """Rent or buy: from plain decoding, speculate once the time it would have saved since it
@@ -188,7 +190,7 @@ class GoodputController(BaseController):
         speculative steps at this load are measured (else a probe, paced by its cost, measures
         them first): a modelled gain alone is no reason to pay a catch-up."""
         self._bank += b / v[0] - b / v[g]
-        if self._bank < self._switch_cost(b):
+        if self._bank < self._switch_cost():
             return False
         self._bank = 0.0
         return True
@@ -288,9 +290,9 @@ class GoodputController(BaseController):
         self._probed_at = self._steps
         if self._last == 0:
             # A probe up pays the drafter's catch-up: paid from the time run since the last one
-            if self._switch_cost(b) > self.cfg.explore_budget * self._since_up_s:
+            if self._switch_cost() > self.cfg.explore_budget * self._since_up_s:
                 return None
-            self._since_up_s, self._probing_up = 0.0, True
+            self._since_up_s, self._probe_lag = 0.0, self.drafter_lag() if self.drafter_lag else None
             # The best speculative gamma as predicted (at high load a short one: a probe at
             # the configured gamma would cost several plain steps), twice: the first step's
             # drafts pay the drafter's catch-up (not fitted).
@@ -356,7 +358,8 @@ class GoodputController(BaseController):
             "steps": self._steps,
             "probes": self._probes,
             "probe_time_share": round(self._probe_s / self._run_s, 4) if self._run_s else 0.0,
-            "switch_s_per_row": self._switch_row,  # the drafter's catch-up, switching from plain
+            # the drafters' catch-up, switching up from plain decoding: seconds a lagged token
+            "switch_s_per_token": self._switch[0] / self._switch[1] if self._switch[1] else 0.0,
             # per bucket of batch sizes (its smallest): measured over modelled step time
             "measured_over_model": {f"{1 << (k - 1)}{'/spec' if sp else '/plain'}": round(m[0], 3)
                                     for (k, sp), m in sorted(self._measured.items())

@@ -204,3 +204,17 @@ def test_cli_local_eagle3(demo_pair):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["token_ids"]) == 24 and out["spec"]["accepted"] > 0
+
+
+def test_lag_counts_what_the_head_has_not_run_over(engine):
+    """Drafter.lag (the goodput controller's price of switching speculation on): a row the head
+    never drafted for lags by all its tokens, one it drafts each step by at most a step's new ones."""
+    d = engine.drafters["eagle3"]
+    seq = engine.seqs[engine.add_request("lag of the head " * 4, GREEDY, SpecParams("fixed", 4), "eagle3")]
+    while seq.stats.drafted == 0 or seq.num_output < 6:
+        engine.step()
+    assert d.lag([(seq.seq_id, seq.token_ids)]) <= 5
+    assert d.lag([("never-drafted", seq.token_ids)]) == len(seq.token_ids)
+    while engine.has_work:
+        engine.step()
+    _clean(engine)

@@ -1,6 +1,6 @@
 """The goodput controller over a rising load whose drafter must catch up after plain runs
 (tests/policy/test_controller.py's CatchUpSim and ramp): tokens/s over plain decoding at each
-level, 20 seeds. Writes NAME.json here, and catch_up.png when before.json and after.json are both here.
+level, 20 seeds. Writes NAME.json here, and catch_up.png of the runs here (before, per_row, after).
 
     PYTHONPATH=. python3 benchmarks/policy/catch_up/catch_up_sim.py --name after
 """
@@ -34,10 +34,11 @@ def main() -> int:
     (HERE / f"{a.name}.json").write_text(json.dumps(out, indent=1))
     for b, s in out["levels"].items():
         print(f"{a.name} {b:>4} rows: mean {s['mean']:.3f}, worst {s['min']:.3f}, {s['below_0.95']} of {a.seeds} below 0.95")
-    if (HERE / "before.json").exists() and (HERE / "after.json").exists():
+    names = [n for n in ("before", "per_row", "after") if (HERE / f"{n}.json").exists()]
+    if len(names) > 1:
         plt = figure()
         fig, ax = plt.subplots(figsize=(6.5, 4))
-        for name in ("before", "after"):
+        for name in names:
             lv = json.loads((HERE / f"{name}.json").read_text())["levels"]
             x = [int(b) for b in lv]
             ax.plot(x, [lv[b]["mean"] for b in lv], "o-", label=f"{name}: mean of {a.seeds} seeds")

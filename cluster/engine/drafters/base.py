@@ -144,6 +144,11 @@ class Drafter(abc.ABC):
     def release(self, seq_ids: list[str]) -> None:
         """Forget per-sequence state (the sequence finished)."""
 
+    def lag(self, rows: list[tuple[str, list[int]]]) -> int:
+        """Tokens of these (seq_id, tokens) rows that this drafter would run over before drafting
+        for them: its catch-up after plain steps. 0 where it keeps no state a row."""
+        return 0
+
     def warm_up(self) -> None:
         """Compile, tune and capture what its steps need, before serving (GPU drafters)."""
 

@@ -83,6 +83,9 @@ class Eagle3Drafter(Drafter):
             if st is not None:
                 self.kv.close(st.handle)
 
+    def lag(self, rows: list[tuple[str, list[int]]]) -> int:
+        return sum(len(t) - (len(self.state[sid].tokens) if sid in self.state else 0) for sid, t in rows)
+
     def tokens_held(self, seq_id: str) -> list[int] | None:
         st = self.state.get(seq_id)
         return st.tokens if st is not None else None

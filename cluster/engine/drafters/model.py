@@ -104,6 +104,9 @@ class ModelDrafter(Drafter):
             if st is not None:
                 self.kv.close(st[0])
 
+    def lag(self, rows: list[tuple[str, list[int]]]) -> int:
+        return sum(len(t) - (self.state[sid][1].common_prefix(t) if sid in self.state else 0) for sid, t in rows)
+
     def tokens_held(self, seq_id: str) -> list[int] | None:
         """The tokens whose KV this drafter holds for a sequence (None: no state)."""
         st = self.state.get(seq_id)

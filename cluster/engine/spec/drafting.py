@@ -75,6 +75,13 @@ class DraftPlanner:
                 groups.setdefault(s.drafter or default, []).append(b)
         return groups
 
+    def lag(self, seqs: list[Sequence]) -> int:
+        """Tokens the drafters would run over before they could draft for every row of `seqs`
+        (Drafter.lag): what turning speculation on costs after plain steps."""
+        groups = self._groups([(s, 1) for s in seqs], self.default)
+        return sum(self.drafters[name].lag([(seqs[b].seq_id, seqs[b].token_ids) for b in idx])
+                   for name, idx in groups.items() if name in self.drafters)
+
     def start(self, rows: list[tuple[Sequence, int]], on_device: bool
               ) -> tuple[DraftOutput | None, PendingDrafts | None]:
         """(this step's drafts, None), or with `on_device` where it can (None, the drafts left
