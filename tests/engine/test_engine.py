@@ -403,31 +403,3 @@ def test_preemption_never_changes_a_token(engine, random_models, tokenizer, temp
     _clean(tight)
     _clean(engine)
 
-
-def test_drafters_lag_is_what_turning_speculation_on_would_catch_up(engine):
-    """The tokens the draft model would run over before drafting (Drafter.lag), which the engine
-    hands a goodput controller (`drafter_lag`, its price of switching up): every token of a row
-    it never drafted for, at most a step's new ones of a row it drafts each step; only the rows
-    the controller governs (spec "auto") count."""
-    from cluster.policy import SpeculationPolicyConfig, make_controller
-
-    ctrl = make_controller(SpeculationPolicyConfig(mode="goodput", prior_acceptance=0.0))  # holds gamma 0
-    engine.controller = ctrl
-    try:
-        params = SamplingParams(max_tokens=24, ignore_eos=True)
-        auto = engine.seqs[engine.add_request(PROMPTS[0], params, SpecParams("auto"))]
-        fixed = engine.seqs[engine.add_request(PROMPTS[1], params, SpecParams("fixed", 2))]
-        for _ in range(40):
-            engine.step()
-            if auto.num_output >= 6 and fixed.num_output >= 6:
-                break
-        assert auto.num_output >= 6 and fixed.num_output >= 6
-        assert fixed.stats.drafted > 0 and auto.stats.drafted == 0
-        assert ctrl.gamma(2) == 0 and ctrl.drafter_lag() == len(auto.token_ids)  # never drafted: all of it
-        assert engine.planner.lag([fixed]) <= 3  # drafted last step: the tokens that step added
-        assert engine.planner.lag([auto, fixed]) == len(auto.token_ids) + engine.planner.lag([fixed])
-        while engine.has_work:
-            engine.step()
-    finally:
-        engine.controller = None
-    _clean(engine)
