@@ -402,4 +402,3 @@ def test_preemption_never_changes_a_token(engine, random_models, tokenizer, temp
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in roomy]
     _clean(tight)
     _clean(engine)
-
