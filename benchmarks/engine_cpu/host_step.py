@@ -7,8 +7,9 @@ so its pass is cheap and what is left of a step is the engine's own work: schedu
 tables, building the step's inputs, acceptance, stop checks, detokenizing, outputs. Every
 sequence holds a 640-token code prompt (as scripts/gpu_scale.py) and decodes greedily with
 `ignore_eos`; all B are prefilled first, then `--steps` steps are timed with no arrivals or
-finishes (the steady state). Two modes: `decode` (speculation off) and `verify` (fixed gamma 4
-with the n-gram drafter).
+finishes (the steady state). Modes: `decode` (speculation off) and `verify` (fixed gamma 4
+with the n-gram drafter); `verify_model` drafts with a one-layer draft model; a `_sampled`
+suffix samples at temperature 0.7 with a seed a row, `_sampled_unseeded` without seeds.
 
 Phases are timed by wrapping the engine's methods (exclusive time: a phase's callee that is
 itself a phase counts there), so the same script times any checkout of the code: `--code
@@ -136,12 +137,13 @@ def measure(engine, timers: Timers, batch: int, mode: str, steps: int, seed: int
     from cluster.engine.sampling import SamplingParams
     from cluster.engine.scheduling.sequence import SpecParams
 
-    spec = SpecParams("off") if mode == "decode" else SpecParams("fixed", 4)
-    sampled = mode.endswith("_sampled")  # temperature 0.7, a seed a row
+    spec = SpecParams("off") if mode.startswith("decode") else SpecParams("fixed", 4)
+    sampled = "_sampled" in mode  # temperature 0.7, a seed a row (`_unseeded`: none)
+    seeded = sampled and not mode.endswith("_unseeded")
     drafter = "model" if mode.startswith("verify_model") else None  # verify: the n-gram drafter
     ids = []
     for i, p in enumerate(prompts(engine.tokenizer, batch, seed)):
-        params = SamplingParams(max_tokens=300, ignore_eos=True, **({"temperature": 0.7, "seed": i} if sampled else {}))
+        params = SamplingParams(max_tokens=300, ignore_eos=True, **({"temperature": 0.7, "seed": i if seeded else None} if sampled else {}))
         ids.append(engine.add_request(p, params, spec, drafter))
     while engine.scheduler.waiting or not all(s.prefilled for s in engine.scheduler.running):
         engine.step()

@@ -140,8 +140,8 @@ class Engine:
         if sid in self.seqs:
             raise InvalidRequest(f"request id {sid!r} is already in flight")
         seq = Sequence(sid, ids, params, spec, drafter)
-        seq.generator = torch.Generator(self.kv.tables.device).manual_seed(  # draws stay on the device
-            params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
+        # a seeded row's draws on the device (unseeded ones share the default: sampling.fill_draws)
+        seq.generator = None if params.seed is None else torch.Generator(self.kv.tables.device).manual_seed(params.seed)
         seq.detok = Detokenizer(self.tokenizer, params.stop)
         self.scheduler.add(seq)
         self.seqs[sid] = seq

@@ -100,19 +100,33 @@ def target_probs(logits: torch.Tensor, params: list[SamplingParams], rows_per_pa
     return probs
 
 
-def draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
+def fill_draws(out: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+               kind: str, widths: list[int] | None = None) -> torch.Tensor:
+    """Draws into the sampled rows of `out` [B, W] ("exponential" Exp(1) or "uniform" U[0, 1)),
+    greedy rows left as they are: a seeded row's `widths[b]` (else W) from its own generator, on
+    the device, so its seed reproduces its stream; every unseeded row's in one call from the
+    device's default generator (a generator a row costs a kernel launch a row: 256 a draw at 256
+    rows, for draws that need only be independent)."""
+    free = [b for b, (p, g) in enumerate(zip(params, generators)) if g is None and not p.greedy]
+    if free:
+        x = torch.empty((len(free), out.shape[1]), device=out.device)
+        out[device_values(free, torch.int64, out.device)] = x.exponential_() if kind == "exponential" else x.uniform_()
+    for b, (p, g) in enumerate(zip(params, generators)):
+        if g is not None and not p.greedy:
+            row = out[b, : widths[b]] if widths is not None else out[b]
+            row.exponential_(generator=g) if kind == "exponential" else row.uniform_(generator=g)
+    return out
+
+
+def draw(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token a row from the target at `logits` [B, V], on the device ([B] int64): the argmax
-    for greedy rows, an exponential race with the row's own generator (one Exp(1) vector a row
-    a token) for sampled ones. Plain steps draw with it whether the host waits for them or
-    they run a step ahead (cluster.engine.worker.pipeline), so a seed gives the same tokens
-    either way."""
+    for greedy rows, an exponential race (one Exp(1) vector a row a token, `fill_draws`) for
+    sampled ones. Plain steps draw with it whether the host waits for them or they run a step
+    ahead (cluster.engine.worker.pipeline), so a seed gives the same tokens either way."""
     if all(p.greedy for p in params):
         return logits.argmax(-1)
     probs = target_probs(logits, params)
-    noise = torch.ones_like(probs)
-    for b, (sp, gen) in enumerate(zip(params, generators)):
-        if not sp.greedy:
-            noise[b].exponential_(generator=gen)  # in place: the generator is on the device
+    noise = fill_draws(torch.ones_like(probs), params, generators, "exponential")
     return (probs / noise.clamp_(min=1e-20)).argmax(-1)
 
 

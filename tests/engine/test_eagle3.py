@@ -127,14 +127,18 @@ def test_sampled_drafts_come_from_the_reported_q(engine):
     _clean(engine)
 
 
-def test_sampled_speculation_keeps_the_target_distribution(engine):
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sampled_speculation_keeps_the_target_distribution(engine, seeded):
     """The first token a verify step emits (a draft accepted, or the resample) follows the
-    target's distribution given the token before it, as plain sampling would."""
+    target's distribution given the token before it, as plain sampling would: seeded rows
+    drawing from their own generators, unseeded ones together from the device's
+    (sampling.fill_draws)."""
     params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)  # a verify step of 1 draft
     n, prompt = 600, "abcabc"
     out = []
     for i in range(0, n, 50):  # within the admission queue
-        out += engine.generate([prompt] * 50, [SamplingParams(**{**vars(params), "seed": i + j}) for j in range(50)],
+        seeds = [i + j if seeded else None for j in range(50)]
+        out += engine.generate([prompt] * 50, [SamplingParams(**{**vars(params), "seed": s}) for s in seeds],
                                SpecParams("fixed", 3), "eagle3")
     assert sum(r["spec"]["drafted"] for r in out) > 0
     firsts = {}

@@ -83,3 +83,24 @@ def test_top_k_and_top_p_processing():
     assert torch.allclose(pp, torch.tensor([[0.625, 0.375, 0, 0]]))
     pt = target_probs(logits, [SamplingParams(temperature=2.0)])
     assert torch.allclose(pt, torch.softmax(logits / 2, -1))
+
+
+def test_fill_draws_seeded_rows_from_their_generators_the_rest_at_once():
+    """fill_draws: a seeded row's draws are its generator's stream (its first `widths[b]`), so its
+    seed reproduces them; greedy rows keep their fill; unseeded rows get independent draws from
+    the default generator, all in one call, Exp(1) distributed."""
+    from scipy.stats import kstest
+
+    from cluster.engine.sampling import SamplingParams, fill_draws
+
+    sampled, greedy = SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)
+    params = [sampled, greedy, sampled] + [sampled] * 200
+    gens = [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(8)] + [None] * 200
+    out = fill_draws(torch.ones(203, 64), params, gens, "exponential")
+    assert torch.equal(out[0], torch.empty(64).exponential_(generator=torch.Generator().manual_seed(7)))
+    assert torch.equal(out[1], torch.ones(64))
+    assert kstest(out[3:].flatten().numpy(), "expon").pvalue > 1e-4
+    assert len({tuple(r.tolist()) for r in out[3:]}) == 200  # independent rows, not one row's draws copied
+    u = fill_draws(torch.zeros(3, 5), params[:3], [torch.Generator().manual_seed(9), None, None], "uniform", [2, 5, 5])
+    assert torch.equal(u[0, :2], torch.rand(2, generator=torch.Generator().manual_seed(9))) and not u[0, 2:].any()
+    assert not u[1].any() and bool((u[2] > 0).all())

@@ -13,10 +13,11 @@ on, otherwise the token ends the step. Each emitted token is thus a draw from th
 given the tokens before it, whatever the tree held. (It is recursive rejection sampling over
 siblings with one-hot proposals: a candidate is accepted with probability p(candidate).)
 
-Randomness comes only from each request's own generator, so a seed reproduces its output.
+Randomness comes only from each seeded request's own generator, so a seed reproduces its
+output; unseeded rows draw together from the device's default generator (sampling.fill_draws).
 The engine makes it on its device: a sampled row's Exp(1) vector over the vocabulary (128k
-values at Llama-3 size) is drawn there by one kernel, where a CPU generator drew it on the
-host and copied it over, row by row, every step.
+values at Llama-3 size) is drawn there, where a CPU generator drew it on the host and copied
+it over, row by row, every step.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from cluster.engine.drafters.base import DraftOutput
-from cluster.engine.sampling import SamplingParams, device_values, draw, rejection_sample, target_probs
+from cluster.engine.sampling import SamplingParams, device_values, draw, fill_draws, rejection_sample, target_probs
 
 
 @dataclass
@@ -91,13 +92,8 @@ def _accept_chains(logits, params, generators, drafts, q_ids, q_probs) -> list[l
         -1, device_values(ids, torch.int64, dev), device_values(probs, torch.float32, dev))
     # greedy rows are one-hot and need no randomness: accept iff p(d) > 0, i.e. d is the argmax.
     # A row draws for its own drafts only, so its stream does not depend on its batch.
-    uniform = torch.zeros((B, G), device=dev)
-    noise = torch.ones((B, vocab), device=dev)
-    for b, (sp, gen, t) in enumerate(zip(params, generators, drafts)):
-        if not sp.greedy:
-            uniform[b, : len(t)].uniform_(generator=gen)  # in place: the generator is on the device
-            noise[b].exponential_(generator=gen)
-    noise.clamp_(min=1e-20)
+    uniform = fill_draws(torch.zeros((B, G), device=dev), params, generators, "uniform", [len(t) for t in drafts])
+    noise = fill_draws(torch.ones((B, vocab), device=dev), params, generators, "exponential").clamp_(min=1e-20)
     num_draft = device_values([len(t) for t in drafts], torch.int64, dev)
     out, num_acc = rejection_sample(device_values(draft_ids, torch.int64, dev), num_draft, q, p, uniform, noise)
     return [row[: n + 1] for row, n in zip(out.tolist(), num_acc.tolist())]
@@ -120,7 +116,7 @@ def walk(parents: list[int], tokens: list[int], token_at) -> tuple[list[int], in
 
 
 def accept_tree(parents: list[int], tokens: list[int], logits: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator) -> tuple[list[int], int]:
+                generator: torch.Generator | None) -> tuple[list[int], int]:
     """logits [n+1, V] at [root] + nodes -> (accepted path, next token). Draws one Exp(1)
     vector per visited node, as a plain decoding step does."""
     if params.greedy:

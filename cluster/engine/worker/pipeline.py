@@ -2,8 +2,7 @@
 
 A decode step's host work (accepting tokens, stop checks, detokenizing, scheduling the next
 step) otherwise leaves the GPU idle between graph replays. Here each step's tokens are drawn
-on the device (the argmax, or for a sampled row an exponential race with its generator, which
-lives on the device: `cluster.engine.sampling.draw`) and feed the next step's graph at once,
+on the device (the argmax, or for a sampled row an exponential race: `cluster.engine.sampling.draw`) and feed the next step's graph at once,
 before the host reads this step's tokens, so that host work overlaps the next step's weight
 streaming (SGLang's overlap scheduler and vLLM's async scheduling do the same: the next
 batch's input ids are this batch's sampled ids, resolved on the device).
@@ -16,10 +15,10 @@ covered whatever else changed:
   (the next pass that reuses the blocks runs after it on the same stream);
 - a row that joined after the launch (its prompt prefilled meanwhile) waits one step and joins
   the next launch with its first token from the host: a launch is never thrown away for it.
-Only a step none of whose rows the launch covered runs afresh. A sampled row's launch drew
+Only a step none of whose rows the launch covered runs afresh. A seeded row's launch drew
 from its generator; where that draw is dropped (the row preempted, or the next step run
 another way) the generator is set back, so a seed gives the tokens of plain stepping whatever
-the pipeline did. Nothing is launched ahead from the first plain step after a speculative
+the pipeline did (an unseeded row's dropped draw is simply not used). Nothing is launched ahead from the first plain step after a speculative
 one: a controller probing gamma 0 for one step would otherwise throw away a whole forward
 pass each time.
 """
@@ -43,7 +42,7 @@ def _key(seq: Sequence, ahead: int = 0) -> tuple:
 class _Ahead:
     index: dict[tuple, int]  # (seq_id, table row, cache length) the launch assumed -> its row
     tokens: torch.Tensor  # [B] int64 on the device: that step's drawn tokens
-    # sampled rows: their generator and its state before the launch drew for them
+    # seeded sampled rows: their generator and its state before the launch drew for them
     states: dict[tuple, tuple[torch.Generator, torch.Tensor]]
 
 
@@ -124,8 +123,8 @@ class DecodePipeline:
                                         [s.num_cached + 1 for s in run] + [s.num_cached for s in wait],
                                         [[0]] * len(run) + [[s.token_ids[-1]] for s in wait], tokens)
             index = {_key(s, 1): b for b, s in enumerate(run)} | {_key(s): len(run) + b for b, s in enumerate(wait)}
-            states = {key: (rows[b].generator, rows[b].generator.get_state())
-                      for key, b in index.items() if not rows[b].params.greedy}
+            states = {key: (g, g.get_state()) for key, b in index.items()  # seeded rows (unseeded: no stream)
+                      if not rows[b].params.greedy and (g := rows[b].generator) is not None}
             self.launched += 1
             self.ahead = _Ahead(index, _draw(logits[:, 0], rows), states)
         self.copied.synchronize()
