@@ -2,9 +2,9 @@
 
 A decode step's host work (accepting tokens, stop checks, detokenizing, scheduling the next
 step) otherwise leaves the GPU idle between graph replays. Here each step's tokens are drawn
-on the device (the argmax, or for a sampled row an exponential race: `cluster.engine.sampling.draw`) and feed the next step's graph at once,
-before the host reads this step's tokens, so that host work overlaps the next step's weight
-streaming (SGLang's overlap scheduler and vLLM's async scheduling do the same: the next
+on the device (the argmax, or for a sampled row an exponential race: `cluster.engine.sampling.draw`)
+and feed the next step's graph at once, before the host reads this step's tokens, so that
+host work overlaps the next step's weight streaming (SGLang's overlap scheduler and vLLM's async scheduling do the same: the next
 batch's input ids are this batch's sampled ids, resolved on the device).
 
 The launched-ahead step assumes every row continues. The next step uses it for the rows it
@@ -18,9 +18,9 @@ covered whatever else changed:
 Only a step none of whose rows the launch covered runs afresh. A seeded row's launch drew
 from its generator; where that draw is dropped (the row preempted, or the next step run
 another way) the generator is set back, so a seed gives the tokens of plain stepping whatever
-the pipeline did (an unseeded row's dropped draw is simply not used). Nothing is launched ahead from the first plain step after a speculative
-one: a controller probing gamma 0 for one step would otherwise throw away a whole forward
-pass each time.
+the pipeline did (an unseeded row's dropped draw is simply not used). Nothing is launched
+ahead from the first plain step after a speculative one: a controller probing gamma 0 for one
+step would otherwise throw away a whole forward pass each time.
 """
 
 from __future__ import annotations
