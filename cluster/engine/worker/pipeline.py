@@ -4,8 +4,9 @@ A decode step's host work (accepting tokens, stop checks, detokenizing, scheduli
 step) otherwise leaves the GPU idle between graph replays. Here each step's tokens are drawn
 on the device (the argmax, or for a sampled row an exponential race: `cluster.engine.sampling.draw`)
 and feed the next step's graph at once, before the host reads this step's tokens, so that
-host work overlaps the next step's weight streaming (SGLang's overlap scheduler and vLLM's async scheduling do the same: the next
-batch's input ids are this batch's sampled ids, resolved on the device).
+host work overlaps the next step's weight streaming (SGLang's overlap scheduler and vLLM's
+async scheduling do the same: the next batch's input ids are this batch's sampled ids,
+resolved on the device).
 
 The launched-ahead step assumes every row continues. The next step uses it for the rows it
 covered whatever else changed:
