@@ -64,11 +64,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "decode_stream.json").write_text(json.dumps({"command": " ".join(sys.argv), "results": results}, indent=2))
-    import matplotlib
+    from cluster.bench.report import figure, save_figure  # here: workers import another checkout
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = figure()
     modes = ["no_stop", "stop_string"]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     width = 0.8 / len(results)
@@ -76,9 +74,7 @@ def main() -> int:
         ax.bar([m + i * width for m in range(len(modes))], [r[m]["us_per_token"] for m in modes], width, label=label)
     ax.set_xticks([m + width * (len(results) - 1) / 2 for m in range(len(modes))], modes)
     ax.set(ylabel="us a token (add + delta)", title="Streaming detokenization, demo tokenizer, CPU")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "decode_stream.png", dpi=110)
+    save_figure(fig, out / "decode_stream.png", ax)
     return 0
 
 

@@ -31,3 +31,11 @@ def figure():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, path: str | Path, *axes) -> None:
+    """A finished plot: the axes' legends, laid out, saved as a PNG at `path`."""
+    for ax in axes:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -107,14 +107,18 @@ def fill_draws(out: torch.Tensor, params: list[SamplingParams], generators: list
     the device, so its seed reproduces its stream; every unseeded row's in one call from the
     device's default generator (a generator a row costs a kernel launch a row: 256 a draw at 256
     rows, for draws that need only be independent)."""
-    free = [b for b, (p, g) in enumerate(zip(params, generators)) if g is None and not p.greedy]
+    free = []
+    for b, (p, g) in enumerate(zip(params, generators)):
+        if p.greedy:
+            continue
+        if g is None:
+            free.append(b)
+            continue
+        row = out[b, : widths[b]] if widths is not None else out[b]
+        row.exponential_(generator=g) if kind == "exponential" else row.uniform_(generator=g)
     if free:
         x = torch.empty((len(free), out.shape[1]), device=out.device)
         out[device_values(free, torch.int64, out.device)] = x.exponential_() if kind == "exponential" else x.uniform_()
-    for b, (p, g) in enumerate(zip(params, generators)):
-        if g is not None and not p.greedy:
-            row = out[b, : widths[b]] if widths is not None else out[b]
-            row.exponential_(generator=g) if kind == "exponential" else row.uniform_(generator=g)
     return out
 
 

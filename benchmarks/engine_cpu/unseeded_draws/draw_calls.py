@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.bench.report import figure
+from cluster.bench.report import figure, save_figure
 from cluster.engine.sampling import SamplingParams, fill_draws
 
 HERE = Path(__file__).parent
@@ -59,9 +59,7 @@ def main() -> int:
     for key, label in (("per_row_generators_ms", "a generator a row (before)"), ("fill_draws_unseeded_ms", "unseeded rows at once")):
         ax.plot(rows, [res["rows"][b][key] for b in rows], "o-", label=label)
     ax.set(xlabel="sampled rows", ylabel="host ms a step (uniform + Exp(1) draws)", title="draw calls' host work, CPU")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(HERE / "draw_calls.png", dpi=110)
+    save_figure(fig, HERE / "draw_calls.png", ax)
     return 0
 
 

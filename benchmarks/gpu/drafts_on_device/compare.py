@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cluster.bench.report import figure
+from cluster.bench.report import figure, save_figure
 
 HERE = Path(__file__).parent
 RUNS = {"greedy": ("before.json", "after.json"), "T=0.8": ("before_t08.json", "after_t08.json")}
@@ -49,10 +49,8 @@ def main() -> int:
                    width, label=f"{side} ({'8d690bb' if side == 'before' else 'bd305fe'})")
         ax.set_xticks(list(x), [f"{r}\n{c} streams" for r, c in bars])
         ax.set_title(title)
-        ax.legend()
     fig.suptitle("drafts left on the device into the verify pass, one H200, 8B-shaped demo pair")
-    fig.tight_layout()
-    fig.savefig(HERE / "compare.png", dpi=110)
+    save_figure(fig, HERE / "compare.png", *axes)
     return 0
 
 

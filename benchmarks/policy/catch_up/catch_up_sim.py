@@ -12,7 +12,7 @@ import json
 import statistics
 from pathlib import Path
 
-from cluster.bench.report import figure
+from cluster.bench.report import figure, save_figure
 from cluster.policy import SpeculationPolicyConfig, make_controller
 from tests.policy.test_controller import CatchUpSim, ramp
 
@@ -46,9 +46,7 @@ def main() -> int:
         ax.axhline(0.95, color="k", lw=0.6)
         ax.set(xscale="log", xlabel="rows", ylabel="goodput controller / plain decoding",
                title="drafter catch-up priced (simulated H100 costs)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(HERE / "catch_up.png", dpi=110)
+        save_figure(fig, HERE / "catch_up.png", ax)
     return 0
 
 
