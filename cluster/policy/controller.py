@@ -48,9 +48,13 @@ third is a pipelined one).
 Turning drafting on after a plain run has a price of its own: a draft model first runs over
 everything its rows missed, each new prompt whole (126-261 ms at 55-64 rows on an H100 against
 8-9 ms plain steps, benchmarks/gpu/h100/sweep_2026-11-27). The engine tells how many tokens that
-is (`drafter_lag`); probes up from plain decoding read its cost a token (`_learn_switch`) and are
-paced by it; a switch up happens only where speculative steps at this load are measured, once
-the time speculation would have saved covers it (`_pays_to_switch`).
+is (`drafter_lag`). Every step up from plain decoding (a probe or a switch) reads what its
+catch-up cost, fitted as seconds fixed plus seconds a lagged token (`_learn_switch`); probes up
+are paced by that price, and a switch up happens once the time speculation would have saved since
+it first looked better covers it (`_pays_to_switch`, rent or buy). A switch on a wrong model then
+costs one catch-up and the few steps that measure it, at most once per MEASURED_FOR steps, and a
+right one is not held back until a probe happens to measure the load first (that held speculation
+off at 1 and 16 streams on an H100, where it made 1.13x, benchmarks/gpu/h100/sweep_2026-11-27b).
 """
 
 from __future__ import annotations
@@ -68,7 +72,8 @@ DITHER_EVERY = 4  # every 4th step runs at gamma +-1 (see GoodputController._dit
 MEASURED_FOR = 256  # steps a bucket's measured/modelled correction stays in force
 BUDGET_WINDOW = 4096  # steps over which probe charges and run time fade (the budget's window)
 CORRECT_ALPHA = 0.1  # EWMA weight of a step in a correction (its first step sets it)
-SWITCH_FADE = 0.9  # what a probe's reading of the catch-up keeps at the next (see _learn_switch)
+SWITCH_FADE = 0.9  # what a reading of the catch-up keeps at the next (see _learn_switch)
+SWITCH_READINGS = 8  # catch-up readings the snapshot shows
 
 
 class GoodputController(BaseController):
@@ -95,10 +100,13 @@ class GoodputController(BaseController):
         self._drafted_before = False  # did the previous step draft (see observe)
         # set by an engine: () -> tokens its drafters would run over before drafting every row
         self.drafter_lag = None
-        self._switch = [0.0, 0.0]  # probes up: excess seconds, lagged tokens (faded sums)
+        # steps up from plain decoding: excess seconds ~ fixed + per lagged token. One reading
+        # (or readings at one lag) reads as a fixed cost; readings at two lags separate them.
+        self._switch = CostFit(2, 1.0 - SWITCH_FADE, [0.0, eps], 4.0, 2)
+        self._switch_readings: list[tuple[int, int, float]] = []  # (rows, lag, excess ms), the last few
         self._bank = 0.0  # seconds speculating would have saved since it first looked better (gamma)
         self._since_up_s = 0.0  # seconds run since the last probe up from plain decoding
-        self._probe_lag = None  # the lag at the probe up this step is the first of
+        self._switch_lag = None  # the drafters' lag at the step up from plain decoding this step is
         self._prefill = 0.0  # EWMA of non-decode tokens per step
         self._steps = 0
         self._probes = 0
@@ -134,9 +142,9 @@ class GoodputController(BaseController):
         seconds = obs.step_s or obs.verify_s + obs.draft_s
         self._account(b, seconds)
         self._since_up_s += seconds
-        if spec and self._probe_lag:
+        if spec and self._switch_lag is not None:
             self._learn_switch(b, seconds, obs.gamma)
-        self._probe_lag = None
+        self._switch_lag = None
         if (obs.pipelined or spec) and (self._drafted_before or not spec):
             self._correct(b, spec, seconds, obs.drafted / b, extra)
         if obs.pipelined:  # not a lone step's cost: the fit models lone steps
@@ -170,25 +178,28 @@ class GoodputController(BaseController):
         return self._probe_s <= self.cfg.explore_budget * self._run_s
 
     def _learn_switch(self, b: int, seconds: float, g: int) -> None:
-        """A probe up from plain decoding: its excess over a modelled step at its gamma is the
-        drafter catching up on the tokens it lagged (a draft model runs over each new prompt).
-        Seconds a token is the ratio of faded sums, so a probe after a short run (few tokens,
-        mostly noise) weighs little."""
+        """A step up from plain decoding: its excess over a modelled step at its gamma is the
+        drafters catching up on the tokens they lagged (a draft model runs over each new prompt)."""
         excess = max(0.0, seconds - self._step_times(b)[min(g, self.cfg.gamma_max)])
-        self._switch = [SWITCH_FADE * self._switch[0] + excess, SWITCH_FADE * self._switch[1] + self._probe_lag]
+        self._switch.add([1.0, float(self._switch_lag)], excess)
+        self._switch_readings = [*self._switch_readings[1 - SWITCH_READINGS:], (b, self._switch_lag, round(1e3 * excess, 2))]
+
+    def _up_from_plain(self) -> None:
+        """This step drafts after plain ones: note the lag its catch-up runs over."""
+        self._switch_lag = self.drafter_lag() if self.drafter_lag else None
 
     def _switch_cost(self) -> float:
         """Predicted seconds the next drafting step adds by catching the drafters up (0 where
-        no engine tells their lag)."""
-        s, n = self._switch
-        return s / n * self.drafter_lag() if n and self.drafter_lag else 0.0
+        no engine tells their lag, or before any step up was read)."""
+        if not self._switch.n or not self.drafter_lag:
+            return 0.0
+        return self._switch([1.0, float(self.drafter_lag())])
 
     def _pays_to_switch(self, v: list[float], g: int, b: float) -> bool:
         """Rent or buy: from plain decoding, speculate once the time it would have saved since it
         first looked better covers the switch (the drafter's catch-up). A switch that is won back
-        at once goes at once; one that speculation would never win back does not flap. Only where
-        speculative steps at this load are measured (else a probe, paced by its cost, measures
-        them first): a modelled gain alone is no reason to pay a catch-up."""
+        at once goes at once; one that speculation would never win back does not flap, and one on
+        a wrong model is measured by the steps after it, which correct the model for the load."""
         self._bank += b / v[0] - b / v[g]
         if self._bank < self._switch_cost():
             return False
@@ -292,7 +303,8 @@ class GoodputController(BaseController):
             # A probe up pays the drafter's catch-up: paid from the time run since the last one
             if self._switch_cost() > self.cfg.explore_budget * self._since_up_s:
                 return None
-            self._since_up_s, self._probe_lag = 0.0, self.drafter_lag() if self.drafter_lag else None
+            self._since_up_s = 0.0
+            self._up_from_plain()
             # The best speculative gamma as predicted (at high load a short one: a probe at
             # the configured gamma would cost several plain steps), twice: the first step's
             # drafts pay the drafter's catch-up (not fitted).
@@ -338,7 +350,9 @@ class GoodputController(BaseController):
             return self._dither()
         best_g = max(range(len(v)), key=v.__getitem__)
         if best_g != self._last and v[best_g] >= v[self._last] * (1.0 + cfg.hysteresis):
-            if self._last or (self._correction(c, True) is not None and self._pays_to_switch(v, best_g, c)):
+            if self._last or self._pays_to_switch(v, best_g, c):
+                if not self._last:
+                    self._up_from_plain()
                 self._last = best_g
         else:
             self._bank = 0.0
@@ -358,8 +372,9 @@ class GoodputController(BaseController):
             "steps": self._steps,
             "probes": self._probes,
             "probe_time_share": round(self._probe_s / self._run_s, 4) if self._run_s else 0.0,
-            # the drafters' catch-up, switching up from plain decoding: seconds a lagged token
-            "switch_s_per_token": self._switch[0] / self._switch[1] if self._switch[1] else 0.0,
+            # the drafters' catch-up, stepping up from plain decoding: its fit and last readings
+            "switch_cost": {"s": self._switch.theta[0], "s_per_token": self._switch.theta[1], "n": self._switch.n,
+                            "readings": [list(r) for r in self._switch_readings]},
             # per bucket of batch sizes (its smallest): measured over modelled step time
             "measured_over_model": {f"{1 << (k - 1)}{'/spec' if sp else '/plain'}": round(m[0], 3)
                                     for (k, sp), m in sorted(self._measured.items())
