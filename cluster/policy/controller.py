@@ -48,7 +48,7 @@ third is a pipelined one).
 Turning drafting on after a plain run has a price of its own: a draft model first runs over
 everything its rows missed, each new prompt whole (126-261 ms at 55-64 rows on an H100 against
 8-9 ms plain steps, benchmarks/gpu/h100/sweep_2026-11-27). The engine tells how many tokens that
-is (`drafter_lag`). Every step up from plain decoding (a probe or a switch) reads what its
+is (`drafter_lag`). Every step up from plain decoding (a probe, a switch, a probe's end) reads what its
 catch-up cost, fitted as seconds fixed plus seconds a lagged token (`_learn_switch`); probes up
 are paced by that price, and a switch up happens once the time speculation would have saved since
 it first looked better covers it (`_pays_to_switch`, rent or buy). A switch on a wrong model then
@@ -102,11 +102,15 @@ class GoodputController(BaseController):
         self.drafter_lag = None
         # steps up from plain decoding: excess seconds ~ fixed + per lagged token. One reading
         # (or readings at one lag) reads as a fixed cost; readings at two lags separate them.
-        self._switch = CostFit(2, 1.0 - SWITCH_FADE, [0.0, eps], 4.0, 2)
+        # Not clipped: a lag far past those read is new information, not a stalled step (an
+        # H100 read 4-5 ms at 1 row and 316 ms at 16 rows 11k tokens behind; clipped to 4x
+        # the fit, that reading priced the next catch-up at 13 ms).
+        self._switch = CostFit(2, 1.0 - SWITCH_FADE, [0.0, eps], 0.0, 2)
         self._switch_readings: list[tuple[int, int, float]] = []  # (rows, lag, excess ms), the last few
         self._bank = 0.0  # seconds speculating would have saved since it first looked better (gamma)
         self._since_up_s = 0.0  # seconds run since the last probe up from plain decoding
         self._switch_lag = None  # the drafters' lag at the step up from plain decoding this step is
+        self._gave = -1  # the gamma gamma() gave last
         self._prefill = 0.0  # EWMA of non-decode tokens per step
         self._steps = 0
         self._probes = 0
@@ -184,9 +188,6 @@ class GoodputController(BaseController):
         self._switch.add([1.0, float(self._switch_lag)], excess)
         self._switch_readings = [*self._switch_readings[1 - SWITCH_READINGS:], (b, self._switch_lag, round(1e3 * excess, 2))]
 
-    def _up_from_plain(self) -> None:
-        """This step drafts after plain ones: note the lag its catch-up runs over."""
-        self._switch_lag = self.drafter_lag() if self.drafter_lag else None
 
     def _switch_cost(self) -> float:
         """Predicted seconds the next drafting step adds by catching the drafters up (0 where
@@ -304,7 +305,6 @@ class GoodputController(BaseController):
             if self._switch_cost() > self.cfg.explore_budget * self._since_up_s:
                 return None
             self._since_up_s = 0.0
-            self._up_from_plain()
             # The best speculative gamma as predicted (at high load a short one: a probe at
             # the configured gamma would cost several plain steps), twice: the first step's
             # drafts pay the drafter's catch-up (not fitted).
@@ -335,6 +335,13 @@ class GoodputController(BaseController):
         return max(0, min(self.cfg.gamma_max, self._last + (1 if self._dithers % 2 else -1)))
 
     def gamma(self, batch_size: int, cluster_inflight: int = 0) -> int:
+        g = self._choose(batch_size, cluster_inflight)
+        if g and not self._gave:  # drafting after plain steps (a probe, a switch, a probe's end): read its catch-up
+            self._switch_lag = self.drafter_lag() if self.drafter_lag else None
+        self._gave = g
+        return g
+
+    def _choose(self, batch_size: int, cluster_inflight: int) -> int:
         cfg = self.cfg
         if self._verify.n < cfg.min_observations:
             # Start at the configured gamma if the prior predicts a gain, else plain decoding.
@@ -351,8 +358,6 @@ class GoodputController(BaseController):
         best_g = max(range(len(v)), key=v.__getitem__)
         if best_g != self._last and v[best_g] >= v[self._last] * (1.0 + cfg.hysteresis):
             if self._last or self._pays_to_switch(v, best_g, c):
-                if not self._last:
-                    self._up_from_plain()
                 self._last = best_g
         else:
             self._bank = 0.0
