@@ -110,7 +110,6 @@ class GoodputController(BaseController):
         self._bank = 0.0  # seconds speculating would have saved since it first looked better (gamma)
         self._since_up_s = 0.0  # seconds run since the last probe up from plain decoding
         self._switch_lag = None  # the drafters' lag at the step up from plain decoding this step is
-        self._gave = -1  # the gamma gamma() gave last
         self._prefill = 0.0  # EWMA of non-decode tokens per step
         self._steps = 0
         self._probes = 0
@@ -146,7 +145,7 @@ class GoodputController(BaseController):
         seconds = obs.step_s or obs.verify_s + obs.draft_s
         self._account(b, seconds)
         self._since_up_s += seconds
-        if spec and self._switch_lag is not None:
+        if spec and self._switch_lag:  # nothing lagged, nothing to catch up
             self._learn_switch(b, seconds, obs.gamma)
         self._switch_lag = None
         if (obs.pipelined or spec) and (self._drafted_before or not spec):
@@ -202,7 +201,8 @@ class GoodputController(BaseController):
         at once goes at once; one that speculation would never win back does not flap, and one on
         a wrong model is measured by the steps after it, which correct the model for the load."""
         self._bank += b / v[0] - b / v[g]
-        if self._bank < self._switch_cost():
+        # the price is at least its fixed part: below that, no need to count the lag (every row)
+        if self._bank < self._switch.theta[0] or self._bank < self._switch_cost():
             return False
         self._bank = 0.0
         return True
@@ -336,9 +336,8 @@ class GoodputController(BaseController):
 
     def gamma(self, batch_size: int, cluster_inflight: int = 0) -> int:
         g = self._choose(batch_size, cluster_inflight)
-        if g and not self._gave:  # drafting after plain steps (a probe, a switch, a probe's end): read its catch-up
+        if g and not self._drafted_before:  # drafting after plain steps (a probe, a switch, a probe's end): read its catch-up
             self._switch_lag = self.drafter_lag() if self.drafter_lag else None
-        self._gave = g
         return g
 
     def _choose(self, batch_size: int, cluster_inflight: int) -> int:

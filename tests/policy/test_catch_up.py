@@ -54,7 +54,7 @@ class SweepSim(CatchUpSim):
 
 def best_fixed(sim_cls, b: int, steps: int, seed: int) -> float:
     """Tokens/s of the best constant gamma (0: plain decoding run ahead) over plain decoding."""
-    plain = b / (sim_cls.AHEAD * sim_cls.verify_s(None, b, b))
+    plain = b / (sim_cls.AHEAD * sim_cls(seed=seed).verify_s(b, b))
     best = 1.0
     for g in range(1, 9):
         sim, secs, toks = sim_cls(seed=seed), 0.0, 0
@@ -83,9 +83,11 @@ def test_goodput_prices_the_drafters_catch_up():
 
 
 def test_goodput_speculates_where_it_pays_despite_the_catch_up():
-    # On the H100 sweep at fa54992 the controller stayed plain at 1 and 16 streams, where
-    # gamma 4 made 1.14x and 1.13x: a switch up waited for a probe to measure speculative steps
-    # at that load, and a probe waited until 2% of the time run covered a whole catch-up.
+    # Speculation pays at 1-16 rows and loses from 64 (as on the H100 sweep at fa54992), and a
+    # switch up after plain steps costs a catch-up: at each level the controller makes most of
+    # the best constant gamma. (The H100's failure at 1 and 16 streams, a price read per token
+    # over short lags, is test_a_fixed_catch_up_is_priced_fixed's; this simulation's catch-up
+    # at one row is cheap enough that fa54992's controller passes here too.)
     levels = (1, 16, 64, 128, 256)
     over_best = {b: [] for b in levels}
     for seed in range(1, 5):
