@@ -13,7 +13,7 @@ from pathlib import Path
 from cluster.bench.report import figure, save_figure
 
 HERE = Path(__file__).parent
-COMMITS = ("fa54992", "0ec5353", "79c8c8b")
+COMMITS = ("fa54992", "0ec5353", "79c8c8b", "747e611")  # 747e611: greedy only, levels 1, 16, 64, 256
 RUNS = ("greedy", "t08")
 
 
@@ -29,20 +29,20 @@ def levels(path: Path) -> dict:
 
 
 def main() -> int:
-    table = {run: {sha: levels(HERE / f"{sha}_{run}.json") for sha in COMMITS} for run in RUNS}
+    table = {run: {sha: levels(HERE / f"{sha}_{run}.json") for sha in COMMITS if (HERE / f"{sha}_{run}.json").exists()}
+             for run in RUNS}
     (HERE / "compare.json").write_text(json.dumps(table, indent=1))
     print("| sampling | streams | plain / gamma 4 tok/s (at 79c8c8b) | goodput / best: " + " | ".join(COMMITS) + " |")
     print("|---|---|---|" + "---|" * len(COMMITS))
     for run in RUNS:
         for c, p in table[run]["79c8c8b"].items():
-            cells = " | ".join(f"{table[run][sha][c]['goodput_over_best']:.2f}" if c in table[run][sha] else "-"
+            cells = " | ".join(f"{table[run][sha][c]['goodput_over_best']:.2f}" if c in table[run].get(sha, {}) else "-"
                                for sha in COMMITS)
             print(f"| {'greedy' if run == 'greedy' else 'T=0.8'} | {c} | {p['off']:,.0f} / {p['fixed4']:,.0f} | {cells} |")
     plt = figure()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, run in zip(axes, RUNS):
-        for sha in COMMITS:
-            lv = table[run][sha]
+        for sha, lv in table[run].items():
             ax.plot(list(lv), [p["goodput_over_best"] for p in lv.values()], "o-", label=sha)
         ax.axhline(0.95, color="k", lw=0.6)
         ax.set(xscale="log", xlabel="streams", title=f"{'greedy' if run == 'greedy' else 'T=0.8'}: goodput / best of plain, gamma 4")
