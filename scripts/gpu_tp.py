@@ -16,7 +16,10 @@ PARTS (--parts / PARTS, comma-separated, default all):
   E[N] * t_decode / (t_decode + gamma * t_draft) (gpu_bench.py's formula); EAGLE-3 runs under
   tensor parallelism, but no head is embedded at the 70B shape yet, so it is recorded as not run;
 - sweep: c requests in flight over max(2c, 8), plain / fixed gamma 4 / goodput controller per
-  level (gpu_scale.py's method), with gpu_scale's roofline at per-rank bytes on a GPU.
+  level (gpu_scale.py's method), with gpu_scale's roofline at per-rank bytes on a GPU;
+- profile: rank 0's kernels in a decode step and a gamma-4 verify pass at 512 tokens of context,
+  by kind, against the step's wall time (cluster.bench.profiling; not in the default).
+DRAFT=none: no drafter (parts that need none start faster).
 Results are rewritten after every part, so a run cut at the device's 10 minutes keeps them.
 """
 
@@ -115,6 +118,19 @@ def verify(engine, a, R: dict) -> None:
     engine.kv.close(slot)
     R["verify"] = {"context_tokens": a.ctx, "decode_ms": 1e3 * t_dec, "verify5_ms": 1e3 * t_ver, "ratio": t_ver / t_dec}
     log("verify g4 / decode:", R["verify"])
+
+
+def profile(engine, a, R: dict) -> None:
+    from cluster.bench.profiling import step_profile
+
+    ids = engine.tokenizer.encode(a.prompts[1])
+    slot, step = step_calls(engine, (ids * (a.ctx // max(len(ids), 1) + 1))[: a.ctx], (1, 5))
+    R["profile"] = {"context_tokens": a.ctx}
+    for w, name in ((1, "decode"), (5, "verify5")):
+        R["profile"][name] = p = step_profile(step[w])
+        log(f"profile {name}: wall {p['wall_us']:.0f} us, kernels {p['kernel_us']:.0f} us, busy {p['gpu_busy_us']:.0f} us,",
+            {k: round(v["us"]) for k, v in p["by_category"].items()}, p.get("all_reduce"))
+    engine.kv.close(slot)
 
 
 def spec(engine, a, R: dict) -> None:
@@ -280,7 +296,8 @@ def main(argv=None) -> int:
     kv_gb = a.kv_gb or (0.25 if not cuda else {2: 4, 4: 16}.get(a.tp, 32))
     target = target_dir(a.target, a.overrides)
     cfg = ClusterConfig.model_validate({
-        "models": {"target": target, "draft": a.draft, "drafter": "model", "device": "cuda" if cuda else "cpu",
+        "models": {"target": target, "draft": None if a.draft == "none" else a.draft,
+                   "drafter": "none" if a.draft == "none" else "model", "device": "cuda" if cuda else "cpu",
                    "dtype": "bfloat16" if cuda else "float32"},
         "engine": {"tensor_parallel_size": a.tp, "cuda_graphs": a.graphs, "tp_one_shot_kb": a.one_shot_kb,
                    "max_num_seqs": max(64, max(a.levels)) if cuda else 8,
@@ -321,7 +338,7 @@ def main(argv=None) -> int:
         a.prompts, a.plain = code_prompts(8, seed=11), None
         for part in a.parts:
             try:
-                {"batch1": batch1, "verify": verify, "spec": spec, "sweep": sweep}[part](engine, a, R)
+                {"batch1": batch1, "verify": verify, "spec": spec, "sweep": sweep, "profile": profile}[part](engine, a, R)
             except Exception as e:  # noqa: BLE001 - keep what the other parts measure
                 import traceback
 

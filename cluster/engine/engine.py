@@ -80,7 +80,7 @@ class Engine:
         if cfg.kv_cache_dtype == "fp8":  # through the runner: a tensor-parallel one calibrates every rank
             self.runner.calibrate(fp8.calibration_tokens(tokenizer))
         self.backend = model.backend.name
-        self.pipeline = self.runner.ahead  # the runner's launch-ahead mode (None under TP or without graphs)
+        self.pipeline = self.runner.ahead  # the runner's launch-ahead mode (None without graphs)
         self.scheduler = Scheduler(cfg, self.kv, mixed=cfg.mixed_prefill and self.runner.can_mix)
         self.drafters, self.default_drafter = drafters or {}, default_drafter
         self.planner = DraftPlanner(self.drafters, default_drafter)

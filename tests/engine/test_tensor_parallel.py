@@ -199,16 +199,21 @@ def test_graphs_replay_in_lockstep_on_every_rank(random_models):
     replay, collectives included): 2 ranks give the one-process graph engine's greedy tokens,
     plain and with the draft model, and its seeded samples; every graph rank 0 replayed, the
     follower replayed as often (the same graph each pass, so their collectives pair up), and
-    plain and verify widths both ran as graphs."""
+    plain and verify widths both ran as graphs. Plain decoding ran launched ahead on both
+    ranks, the follower's launches fed by rank 0's drawn tokens (AnnouncedGraphs); close freed
+    every graph on both ranks."""
     target, draft = random_models["llama"], random_models["llama_draft"]
     want = _rank0("graphs", target, 1, draft, timeout=300)
     got = _rank0("graphs", target, 2, draft, timeout=300)
     assert want["spec"] == want["plain"]
-    for key in ("plain", "spec", "sampled"):
+    for key in ("plain", "spec", "sampled", "sampled_plain"):
         assert got[key] == want[key], key
+    assert got["ahead"]["hits"] > 10 and got["ahead"]["launched"] >= got["ahead"]["hits"], got["ahead"]
     assert got["held"] == [0, 0]
     replayed = {k: n for k, n in got["replays"].items() if n}
     assert got["followers"] == [got["replays"]], "the follower replays rank 0's graphs, pass for pass"
+    # NCCL's teardown waits forever for a live graph that captured its collectives
+    assert got["released"] and got["followers_released"] == [True], "close frees every rank's graphs"
     widths = {ast.literal_eval(k)[1] for k in replayed}  # keys are (batch bucket, width, layers)
     assert 1 in widths and 5 in widths, replayed
 

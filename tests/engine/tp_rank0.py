@@ -3,8 +3,9 @@ group (a process holds one): `python -m tests.engine.tp_rank0 MODE TARGET TP [DR
 
 generate: prints the greedy and seeded-sampled token ids of PROMPTS as JSON (plain decoding).
 graphs: with the CUDA-graph stand-in on every rank and the DRAFT model drafting, prints the
-greedy (plain and speculative) and seeded-sampled token ids of PROMPTS and each rank's graph
-replays as JSON.
+greedy (plain and speculative) and seeded-sampled (speculative and plain) token ids of PROMPTS,
+each rank's graph replays, whether close freed every rank's graphs, and the steps plain
+decoding launched ahead as JSON.
 fp8: with an fp8 KV cache and the DRAFT model drafting, prints the greedy token ids of PROMPTS
 plain and with speculation, and the fp8 scales every rank calibrated, as JSON.
 eagle3, eagle3-tree, medusa: TARGET's engine as build_engine makes it, with the EAGLE-3 head
@@ -68,7 +69,8 @@ def follow_saving_scales(out: str, *args) -> None:
 def follow_saving_replays(out: str, *args) -> None:
     """A follower that saves how often each of its graphs (the CPU stand-in's) replayed, after STOP."""
     graphs = follow(*args).graphs.graphs
-    Path(out).write_text(json.dumps({str(k): g.graph.replays for k, g in graphs.items()}))
+    Path(out).write_text(json.dumps({"replays": {str(k): g.graph.replays for k, g in graphs.items()},
+                                     "released": all(g.graph.resets == 1 for g in graphs.values())}))
 
 
 def saving_launcher(out_dir: str, save=follow_saving_scales, suffix: str = "pt"):
@@ -105,11 +107,16 @@ def graph_tokens(target: str, draft: str, tp: int) -> dict:
             out = {"plain": [r["token_ids"] for r in e.generate(PROMPTS, GREEDY, SpecParams("off"))],
                    "spec": [r["token_ids"] for r in e.generate(PROMPTS, GREEDY, SpecParams("fixed", 4), "model")],
                    "sampled": [r["token_ids"] for r in e.generate(PROMPTS, SAMPLED, SpecParams("fixed", 2), "model")],
+                   "sampled_plain": [r["token_ids"] for r in e.generate(PROMPTS, SAMPLED, SpecParams("off"))],
+                   "ahead": {"launched": e.pipeline.launched, "hits": e.pipeline.hits},
                    "held": list(e.kv.held()),
                    "replays": {str(k): g.graph.replays for k, g in e.runner.graphs.graphs.items()}}
         finally:
             e.close()
-        out["followers"] = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(1, tp)]
+        out["released"] = all(g.graph.resets == 1 for g in e.runner.graphs.graphs.values()) if tp > 1 else None
+        followers = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(1, tp)]
+        out["followers"] = [f["replays"] for f in followers]
+        out["followers_released"] = [f["released"] for f in followers]
     return out
 
 

@@ -141,6 +141,13 @@ class Group:
         dist.all_gather(parts, x, group=self.step_group)
         return torch.cat(parts, dim=-1)[..., :vocab_size] if self.first else None
 
+    def broadcast_tokens(self, x: torch.Tensor | int) -> torch.Tensor:
+        """Rank 0's int64 tokens on its device to every rank's device (a follower passes their
+        count): a launched-ahead step's input, in stream order after rank 0 drew them."""
+        x = torch.empty(x, dtype=torch.int64, device=self.device) if isinstance(x, int) else x.contiguous()
+        dist.broadcast(x, src=0, group=self.step_group)
+        return x
+
     def broadcast_header(self, x: torch.Tensor) -> torch.Tensor:
         """A host int64 tensor from rank 0 to every rank (sizes agreed beforehand)."""
         dist.broadcast(x, src=0, group=self.host_group)

@@ -44,8 +44,8 @@ from cluster.engine.worker.runner import Runner
 
 log = logging.getLogger(__name__)
 STOP, FORWARD, CALIBRATE, CAPTURE = 0, 1, 2, 3
-META = 9      # op, rows B, tokens N (all rows, unpadded), table updates U, last_only, layers, tree section length (0: chains),
-#               KV slot moves M, graphs (0: an eager pass on every rank)
+META = 10     # op, rows B, tokens N (all rows, unpadded), table updates U, last_only, layers, tree section length (0: chains),
+#               KV slot moves M, graphs (0: an eager pass on every rank), carried rows K (a launch ahead, below)
 #               (CALIBRATE: op, tokens, 0...; CAPTURE: op, max batch, 0...)
 SETUP = 8     # blocks, block_size, max_rows, max_tokens, fp8 cache (0 / 1), graph width (0: no graphs),
 #               prefill chunk, graph prefill tokens
@@ -55,11 +55,12 @@ DEATH_WAIT_S = 2.0  # after a failed collective, how long rank 0 looks for the f
 
 def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens: list[list[int]],
            last_only: bool, num_layers: int | None, trees: list[list[int] | None] | None = None,
-           moves: list[tuple[int, int]] = (), graphs: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           moves: list[tuple[int, int]] = (), graphs: bool = False, carried: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The header of one pass: (meta [META], payload), host int64. Draft trees travel as each
     row's node count + 1 (0: a chain) then the tree rows' parents; `moves`: rank 0's KV slot
     copies since the last pass (accepted tree paths), which every follower repeats on its
-    heads before this pass."""
+    heads before this pass. `carried` > 0: a decode step launched ahead whose first `carried`
+    rows take their tokens from the device, broadcast after the header (AnnouncedGraphs)."""
     q_lens = [len(t) for t in tokens]
     b = len(tokens)
     flat = [x for t in tokens for x in t]  # unpadded: each rank's Runner.forward pads as rank 0's does
@@ -68,7 +69,7 @@ def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens
         tree = [len(t) + 1 if t is not None else 0 for t in trees] + [p for t in trees if t is not None for p in t]
     moved = [s for s, _ in moves] + [d for _, d in moves]
     meta = torch.tensor([FORWARD, b, len(flat), updates.shape[1], int(last_only), num_layers or 0, len(tree), len(moves),
-                         int(graphs)], dtype=torch.int64)
+                         int(graphs), carried], dtype=torch.int64)
     payload = torch.cat([torch.tensor(rows + cache_lens + q_lens + flat + tree + moved, dtype=torch.int64),
                          updates.flatten()])
     return meta, payload
@@ -77,7 +78,7 @@ def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens
 def payload_len(meta: list[int]) -> int:
     if meta[0] == CALIBRATE:
         return meta[1]
-    _, b, num_tokens, num_updates, _, _, num_tree, num_moves, _ = meta
+    _, b, num_tokens, num_updates, _, _, num_tree, num_moves, _, _ = meta
     return 3 * b + num_tokens + num_tree + 2 * num_moves + 3 * num_updates
 
 
@@ -90,10 +91,11 @@ def decode_trees(section: list[int], b: int) -> list[list[int] | None]:
     return trees
 
 
-def run_step(runner: Runner, meta: list[int], payload: torch.Tensor) -> None:
+def run_step(runner: Runner, group: Group, meta: list[int], payload: torch.Tensor) -> None:
     """A follower's pass from its header: the KV changes rank 0 made, then the Runner.forward
-    rank 0 runs, with the same arguments (its logits stay on rank 0: only rank 0 samples)."""
-    _, b, num_tokens, num_updates, last_only, num_layers, num_tree, num_moves, graphs = meta
+    rank 0 runs, with the same arguments (its logits stay on rank 0: only rank 0 samples); a
+    launch ahead takes its carried rows' tokens from rank 0's broadcast, as rank 0's does."""
+    _, b, num_tokens, num_updates, last_only, num_layers, num_tree, num_moves, graphs, carried = meta
     head, updates = payload[:len(payload) - 3 * num_updates].tolist(), payload[len(payload) - 3 * num_updates:]
     rows, lens, q_lens = head[:b], head[b:2 * b], head[2 * b:3 * b]
     at = 3 * b + num_tokens
@@ -104,6 +106,10 @@ def run_step(runner: Runner, meta: list[int], payload: torch.Tensor) -> None:
         runner.kv.apply_updates(updates.view(3, num_updates))
     ends = list(itertools.accumulate(q_lens))
     tokens = [ids[e - q:e] for e, q in zip(ends, q_lens)]
+    if carried:
+        runner.kv.sync()
+        runner.graphs.launch(rows, lens, tokens, group.broadcast_tokens(carried))
+        return
     kept = runner.graphs
     runner.graphs = kept if graphs else None
     try:
@@ -124,8 +130,11 @@ class ParallelRunner(Runner):
     def __init__(self, model, kv: KVCache, attention: str, group: Group, graph_width: int = 0,
                  prefill_chunk: int = 0, graph_tokens: int = 0):
         super().__init__(model, kv, attention, graph_width, prefill_chunk, graph_tokens)
-        self.ahead = None  # launch-ahead replays past forward, where the followers would not follow
         self.group = group
+        if self.graphs is not None:  # plain decoding launched ahead, every launch announced
+            from cluster.engine.worker.pipeline import DecodePipeline
+
+            self.ahead = DecodePipeline(AnnouncedGraphs(self))
         kv.moved = []  # tree paths' KV copies, for the followers (encode)
         width = graph_width if self.graphs is not None else 0  # the followers capture as this rank does
         with self._failures():
@@ -145,16 +154,21 @@ class ParallelRunner(Runner):
         """As Runner.forward, on every rank; `aux`: rank 0's capture of the aux layers' inputs
         (the residual stream, whole on every rank after each all-reduce: no collective)."""
         assert carried is None, "tokens reach the followers from the host (carries_drafts)"
+        with self._failures():
+            self.announce(rows, cache_lens, tokens, last_only, num_layers, trees, self.graphs is not None)
+            return super().forward(rows, cache_lens, tokens, last_only, num_layers, trees, hidden, aux)
+
+    def announce(self, rows, cache_lens, tokens, last_only, num_layers=None, trees=None, graphs=True,
+                 carried: int = 0) -> None:
+        """The next pass's header to the followers, and the table changes it carries applied here."""
         updates = self.kv.take_updates()
         meta, payload = encode(updates, rows, cache_lens, tokens, last_only, num_layers, trees, self.kv.moved,
-                               self.graphs is not None)
+                               graphs, carried)
         self.kv.moved.clear()
-        with self._failures():
-            self.group.broadcast_header(meta)
-            self.group.broadcast_header(payload)
-            if updates.shape[1]:
-                self.kv.apply_updates(updates)
-            return super().forward(rows, cache_lens, tokens, last_only, num_layers, trees, hidden, aux)
+        self.group.broadcast_header(meta)
+        self.group.broadcast_header(payload)
+        if updates.shape[1]:
+            self.kv.apply_updates(updates)
 
     def capture_graphs(self, max_batch: int) -> None:
         """Every rank captures the same graphs in the same order (their collectives pair up)."""
@@ -170,17 +184,19 @@ class ParallelRunner(Runner):
         return self.forward(rows, cache_lens, [[t] for t in tokens.tolist()], last_only=True)
 
     def close(self) -> None:
-        """Stop the followers (where they still listen) and leave the group with them: rank 0
-        leaves as the followers do, then waits for them to exit. Waiting first hung on GPUs:
-        with CUDA graphs no TP 4 run got past close (benchmarks/gpu/tp), eager ones did; a
-        communicator that graphs captured may be torn down only by all ranks together."""
+        """Stop the followers (where they still listen), free the graphs and leave the group
+        with them (each rank does both: GraphRunner.release says why), then wait for them to exit."""
+        stopped = False
         try:
             if all(p.is_alive() for p in self.group.procs):
                 self.group.broadcast_header(torch.tensor([STOP] + [0] * (META - 1)))
+                stopped = True
         except (RuntimeError, dist.DistError):
             pass
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if stopped and self.graphs is not None:  # a dead peer's group is abandoned, graphs and all
+            self.graphs.release()
         self.group.close()
         for p in self.group.procs:
             p.join(timeout=30)
@@ -209,6 +225,36 @@ class ParallelRunner(Runner):
             if dead or time.monotonic() >= deadline:
                 return dead
             time.sleep(0.02)
+
+
+class AnnouncedGraphs:
+    """Rank 0's CUDA graphs as the launch-ahead pipeline (cluster.engine.worker.pipeline) drives
+    them, each pass announced to the followers first, so plain decoding runs a step ahead under
+    tensor parallelism too: a launch's header goes out before the host knows the step's tokens,
+    and its carried rows' tokens (drawn on rank 0's GPU) follow as a device broadcast, which
+    each follower's replay reads where rank 0's does. A follower's host thus prepares step n+1
+    while the GPUs run step n, as rank 0's does."""
+
+    def __init__(self, runner: "ParallelRunner"):
+        self.runner, self.inner = runner, runner.graphs
+        self.capture, self.max_batch = self.inner.capture, self.inner.max_batch
+
+    def eligible(self, batch: int, width: int, last_only: bool = False) -> bool:
+        return self.inner.eligible(batch, width, last_only)
+
+    def sync_tables(self) -> None:
+        """Nothing here: the table changes travel with the next announced pass (announce)."""
+
+    def forward(self, rows, cache_lens, tokens, num_layers=None, carried=None):
+        assert carried is None and num_layers is None
+        with self.runner._failures():
+            self.runner.announce(rows, cache_lens, tokens, last_only=False)
+            return self.inner.forward(rows, cache_lens, tokens)
+
+    def launch(self, rows, cache_lens, tokens, carried: torch.Tensor) -> torch.Tensor:
+        with self.runner._failures():
+            self.runner.announce(rows, cache_lens, tokens, last_only=False, carried=carried.shape[0])
+            return self.inner.launch(rows, cache_lens, tokens, self.runner.group.broadcast_tokens(carried))
 
 
 def spawn(rank: int, size: int, addr: str, port: int, target: str, cfg, step_timeout_s: float):
@@ -277,7 +323,9 @@ def follow(rank: int, size: int, port: int, target: str, cfg, step_timeout_s: fl
                 if m[0] == CALIBRATE:
                     runner.calibrate(payload.tolist())
                 else:
-                    run_step(runner, m, payload)
+                    run_step(runner, group, m, payload)
+        if runner.graphs is not None:  # after STOP only: a failed step may have left a kernel waiting on a peer
+            runner.graphs.release()
     finally:
         group.close()
     return runner

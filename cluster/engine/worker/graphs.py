@@ -174,6 +174,20 @@ class GraphRunner:
         g.graph.replay()
         return (None if g.out is None else g.out[:b]), g.hidden[:b], (None if g.aux is None else g.aux[:b])
 
+    def release(self) -> None:
+        """Free every captured graph, once the GPU is done with them: a tensor-parallel rank
+        does this before it leaves its process group, since NCCL's communicator teardown waits
+        forever while a graph that captured its collectives lives (pytorch/pytorch#115388; every
+        TP run with graphs hung in close). No graph replays after this."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for g in self.graphs.values():
+            g.graph.reset()
+
+    def sync_tables(self) -> None:
+        """The block tables' changes onto the device before a replay reads them."""
+        self.kv.sync()
+
     def decode(self, rows: list[int], cache_lens: list[int], tokens: torch.Tensor) -> torch.Tensor:
         """A one-token step whose tokens ([B] int64) are already on the device: [B, V] logits
         (a static buffer), with no host round trip (a drafter's chain)."""

@@ -140,10 +140,12 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, s: ModelShape, reduce=None):
-        """reduce: the all-reduce joining tensor-parallel ranks' partial o_proj sums; None: one process."""
+    def __init__(self, s: ModelShape, reduce=None, adds_residual: bool = True):
+        """reduce: the all-reduce joining tensor-parallel ranks' partial o_proj sums; None: one
+        process. adds_residual: this rank's partial sum carries the residual (rank 0's alone, in
+        its projection's epilogue), so the all-reduce gives h + attention(h) with no add after it."""
         super().__init__()
-        self.s, self.reduce = s, reduce
+        self.s, self.reduce, self.adds_residual = s, reduce, adds_residual
         self.qkv_proj = nn.Linear(s.hidden, s.head_dim * (s.heads + 2 * s.kv_heads), bias=s.qkv_bias)
         self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
 
@@ -156,9 +158,8 @@ class Attention(nn.Module):
         qk = KERNELS["rope"](qkv[:, :, : s.heads + s.kv_heads], *rot)  # q and k rotated in one op
         q, k = qk.split([s.heads, s.kv_heads], dim=2)
         out = backend(q.contiguous(), k, qkv[:, :, s.heads + s.kv_heads:], k_cache, v_cache, ctx, scale)
-        if self.reduce is None:
-            return lin(out.reshape(B, T, -1), self.o_proj.weight, residual=h)
-        return h + self.reduce(lin(out.reshape(B, T, -1), self.o_proj.weight))  # the residual once, not per rank
+        y = lin(out.reshape(B, T, -1), self.o_proj.weight, residual=h if self.adds_residual else None)
+        return y if self.reduce is None else self.reduce(y)
 
     def segmented(self, h, norm: "RMSNorm", rot, backend, k_cache, v_cache, segs, scale=None):
         """As forward over the real tokens of several segments, h [N, hidden]: the projections
@@ -173,15 +174,14 @@ class Attention(nn.Module):
         v = qkv[:, s.heads + s.kv_heads:]
         out = torch.cat([seg.unpad(backend(seg.pad(q).contiguous(), seg.pad(k), seg.pad(v), k_cache, v_cache,
                                            seg.ctx, scale)) for seg in segs])
-        if self.reduce is None:
-            return lin(out.reshape(n, -1), self.o_proj.weight, residual=h)
-        return h + self.reduce(lin(out.reshape(n, -1), self.o_proj.weight))
+        y = lin(out.reshape(n, -1), self.o_proj.weight, residual=h if self.adds_residual else None)
+        return y if self.reduce is None else self.reduce(y)
 
 
 class MLP(nn.Module):
-    def __init__(self, s: ModelShape, reduce=None):
+    def __init__(self, s: ModelShape, reduce=None, adds_residual: bool = True):
         super().__init__()
-        self.reduce = reduce  # as Attention's, for down_proj
+        self.reduce, self.adds_residual = reduce, adds_residual  # as Attention's, for down_proj
         self.gate_up_proj = nn.Linear(s.hidden, 2 * s.intermediate, bias=False)
         self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
 
@@ -189,9 +189,8 @@ class MLP(nn.Module):
         """h + mlp(norm(h))."""
         lin = KERNELS["linear"]
         gate_up = lin(h, self.gate_up_proj.weight, norm=norm.weight, eps=norm.eps)
-        if self.reduce is None:
-            return lin(gate_up, self.down_proj.weight, silu=True, residual=h)
-        return h + self.reduce(lin(gate_up, self.down_proj.weight, silu=True))
+        y = lin(gate_up, self.down_proj.weight, silu=True, residual=h if self.adds_residual else None)
+        return y if self.reduce is None else self.reduce(y)
 
 
 class RMSNorm(nn.Module):
@@ -205,12 +204,12 @@ class RMSNorm(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, s: ModelShape, reduce=None):
+    def __init__(self, s: ModelShape, reduce=None, adds_residual: bool = True):
         super().__init__()
         self.input_layernorm = RMSNorm(s.hidden, s.eps)
-        self.self_attn = Attention(s, reduce)
+        self.self_attn = Attention(s, reduce, adds_residual)
         self.post_attention_layernorm = RMSNorm(s.hidden, s.eps)
-        self.mlp = MLP(s, reduce)
+        self.mlp = MLP(s, reduce, adds_residual)
 
 
 class VocabEmbedding(nn.Module):
@@ -251,7 +250,7 @@ class CausalLM(nn.Module):
         else:
             self.embed_tokens = VocabEmbedding(shape.vocab_size, shape.hidden, group)
             self.lm_head = nn.Linear(shape.hidden, self.embed_tokens.weight.shape[0], bias=False)
-        self.layers = nn.ModuleList(Layer(shape, reduce) for _ in range(shape.layers))
+        self.layers = nn.ModuleList(Layer(shape, reduce, group is None or group.first) for _ in range(shape.layers))
         self.norm = RMSNorm(shape.hidden, shape.eps)
         self.rotary = Rotary(hf_config, shape.max_positions)
         self.backend = None  # set by the runner: attention.make_backend(...)

@@ -53,7 +53,9 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 class DecodePipeline:
     def __init__(self, graphs):
-        self.graphs = graphs  # cluster.engine.worker.graphs.GraphRunner
+        # cluster.engine.worker.graphs.GraphRunner, or under tensor parallelism rank 0's
+        # AnnouncedGraphs (cluster.engine.distributed.ranks): the same calls, each sent to the followers
+        self.graphs = graphs
         self.ahead: _Ahead | None = None
         self.host = graphs.capture.host(graphs.max_batch)
         self.copied = graphs.capture.event()  # this step's tokens are on the host
@@ -91,7 +93,7 @@ class DecodePipeline:
         here by length)."""
         # the scheduler grew the rows' tables for this step and the one launched ahead: the
         # replays read them on the device (Runner.forward syncs its own passes)
-        self.graphs.kv.sync()
+        self.graphs.sync_tables()
         ahead, self.ahead = self.ahead, None
         idx = [ahead.index.get(_key(s)) for s in seqs] if ahead is not None else [None] * len(seqs)
         hit = any(i is not None for i in idx)

@@ -1,0 +1,96 @@
+"""Where one pass's wall time goes: its kernels under torch.profiler, grouped by what they do,
+against the GPU's busy time and the host calls around them (GPU machine).
+
+    from cluster.bench.profiling import step_profile
+    step_profile(lambda: runner.forward(...), steps=10)   # per-step figures, in microseconds
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+
+# first match wins: a name may hold several of these words
+CATEGORIES = (("all_reduce", ("one_shot", "all_reduce", "allreduce", "two_shot")),
+              ("nccl", ("nccl",)),
+              ("gemv", ("gemv",)),
+              ("gemm", ("gemm", "cutlass", "sm90_", "nvjet", "cublas")),
+              ("attention", ("attn", "attention", "paged", "flash")),
+              ("copy", ("copy", "memcpy", "memset", "cat")),
+              ("fused_elementwise", ("triton_", "fused")),
+              ("elementwise", ("elementwise", "vectorized", "reduce")))
+HOST_CALLS = ("broadcast", "cudaGraphLaunch", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, words in CATEGORIES:
+        if any(w in low for w in words):
+            return cat
+    return "other"
+
+
+def _busy(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def step_profile(fn, steps: int = 10, top: int = 12) -> dict:
+    """`fn` run `steps` times: wall per step, then under the profiler its kernels per step (by
+    category, count and microseconds), the GPU's busy time (their union) and the host calls
+    that wait or launch. All-reduce kernels wait for every peer, so the first of a step also
+    holds how late the slowest rank started it: `first_all_reduce_us` against the median."""
+    import torch
+
+    cuda = torch.cuda.is_available()  # on a CPU (the scripts' smoke runs): host calls only
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for _ in range(3):
+        fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync()
+    wall = (time.perf_counter() - t) / steps
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            fn()
+        sync()
+    kernels, host = [], defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.append((e.time_range.start, e.time_range.end, e.name))
+        else:
+            for word in HOST_CALLS:
+                if word.lower() in e.name.lower():
+                    host[word][0] += 1
+                    host[word][1] += e.time_range.end - e.time_range.start
+    kernels.sort()
+    cats, names = defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0])
+    for s, e, name in kernels:
+        for d in (cats[category(name)], names[name[:90]]):
+            d[0] += 1
+            d[1] += e - s
+    per = lambda d: {k: {"count": c / steps, "us": us / steps} for k, (c, us) in  # noqa: E731
+                     sorted(d.items(), key=lambda kv: -kv[1][1])}
+    reduces = [e - s for s, e, name in kernels if category(name) == "all_reduce"]
+    out = {"steps": steps, "wall_us": 1e6 * wall,
+           "profiled_span_us": (kernels[-1][1] - kernels[0][0]) / steps if kernels else 0.0,
+           "kernel_us": sum(e - s for s, e, _ in kernels) / steps,
+           "gpu_busy_us": _busy([(s, e) for s, e, _ in kernels]) / steps,
+           "kernels_per_step": len(kernels) / steps,
+           "by_category": per(cats), "top_kernels": dict(list(per(names).items())[:top]),
+           "host_calls": per(host)}
+    if reduces and len(reduces) >= steps:
+        k = len(reduces) // steps
+        out["all_reduce"] = {"per_step": k, "median_us": statistics.median(reduces),
+                             "first_of_step_us": statistics.median(reduces[::k][:steps])}
+    return out
