@@ -156,6 +156,7 @@ def main() -> int:
                "env": {k: os.environ[k] for k in ("TP", "LEVELS", "PLACEMENT", "DRAFT", "GAMMA", "PLAIN") if k in os.environ},
                "draft": a.draft, "gamma": a.gamma, "runs": {}}
     out = Path(a.out, name + ".json")
+    out.parent.mkdir(parents=True, exist_ok=True)
 
     def write() -> None:
         if {"colocated", "disaggregated"} <= R["runs"].keys():  # the drafter's own GPU against colocated

@@ -48,12 +48,14 @@ def served(config: dict, echo=print, timeout_s: float = 300):
     try:
         timer = threading.Timer(timeout_s, proc.kill)
         timer.start()
+        ready = False
         for line in proc.stdout:
             echo("  up: " + line.rstrip())
             if "spec-cluster ready" in line:
+                ready = True
                 break
         timer.cancel()
-        if proc.poll() is not None or time.time() - t > timeout_s:
+        if not ready or proc.poll() is not None:  # its output ended first: it exited (or was killed)
             raise RuntimeError(f"spec-cluster up exited with {proc.wait()} before it was ready")
         threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # keep its pipe drained
         yield Served(f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}/v1", time.time() - t)

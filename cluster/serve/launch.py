@@ -116,7 +116,30 @@ def start_serve(cfg: ClusterConfig, proxy_location: str = "EveryNode") -> None:
 
 
 def run_app(cfg: ClusterConfig, blocking: bool = False) -> None:
-    serve.run(build_app(cfg), name=cfg.network.app_name, route_prefix=cfg.network.route_prefix, blocking=blocking)
+    """Deploy the app; a failed deployment raises with each failed deployment's own error in
+    the first line (Serve's names only the deployments, and the CLI shows one line)."""
+    try:
+        serve.run(build_app(cfg), name=cfg.network.app_name, route_prefix=cfg.network.route_prefix, blocking=blocking)
+    except RuntimeError as e:
+        causes = deploy_errors(cfg.network.app_name)
+        if not causes:
+            raise
+        raise RuntimeError(f"{str(e).splitlines()[0].rstrip('.')}: {'; '.join(causes)}") from e
+
+
+def deploy_errors(app: str) -> list[str]:
+    """'Deployment: the exception' for each deployment of `app` that failed: the last line of
+    the message Serve keeps for it, which ends with its replica's traceback."""
+    try:
+        status = serve.status().applications.get(app)
+    except Exception:  # noqa: BLE001 - the deploy's own error is raised anyway
+        return []
+    out = []
+    for name, d in (status.deployments.items() if status else ()):
+        lines = [line.strip() for line in (d.message or "").splitlines() if line.strip()]
+        if d.status in ("DEPLOY_FAILED", "UNHEALTHY") and lines:
+            out.append(f"{name}: {lines[-1]}")
+    return out
 
 
 def shutdown() -> None:

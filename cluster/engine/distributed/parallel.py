@@ -83,6 +83,14 @@ class Group:
         its peers, so a rank that dropped out would hang the others' GPUs."""
         if not max_kb or self.device.type != "cuda" or self.size == 1:
             return
+        # Symmetric memory maps each peer's buffer over NVLink, so every peer's GPU must be
+        # visible here. Ray's per-actor CUDA_VISIBLE_DEVICES shows a rank its own GPU alone, as
+        # cuda:0 on every rank, and the rendezvous then fails on overlapping devices
+        # (vllm-project/vllm#45729): NCCL serves every size there.
+        if not self._agree(lambda: torch.cuda.device_count() >= self.size):
+            log.warning("rank %d: one-shot all-reduce needs the group's %d GPUs visible, %d are: NCCL for all sizes",
+                        self.rank, self.size, torch.cuda.device_count())
+            return
         one = None
         # small integers: every sum is exact in bf16, whatever order a kernel adds in
         gen = torch.Generator(device=self.device).manual_seed(self.rank)
