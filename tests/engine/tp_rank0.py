@@ -6,6 +6,9 @@ graphs: with the CUDA-graph stand-in on every rank and the DRAFT model drafting,
 greedy (plain and speculative) and seeded-sampled (speculative and plain) token ids of PROMPTS,
 each rank's graph replays, whether close freed every rank's graphs, and the steps plain
 decoding launched ahead as JSON.
+pipeline: plain decoding launched ahead (the CUDA-graph stand-in on every rank) through rows
+ending, arriving and aborted, and through preemption in a small pool: tokens and the pipeline's
+counts as JSON.
 fp8: with an fp8 KV cache and the DRAFT model drafting, prints the greedy token ids of PROMPTS
 plain and with speculation, and the fp8 scales every rank calibrated, as JSON.
 eagle3, eagle3-tree, medusa: TARGET's engine as build_engine makes it, with the EAGLE-3 head
@@ -120,6 +123,40 @@ def graph_tokens(target: str, draft: str, tp: int) -> dict:
     return out
 
 
+def pipeline_tokens(target: str, tp: int) -> dict:
+    """Plain decoding launched ahead with the CUDA-graph stand-in on every rank: the tokens of
+    test_pipeline's script (rows ending by length, a stop string and an abort; a late arrival)
+    and of its six rows in a pool of 40 blocks a rank (preemption), with the pipeline's counts."""
+    from cluster.engine.scheduling.kv_cache import block_bytes
+    from cluster.engine.worker.capture import eager_on_cpu
+    from tests.engine.test_pipeline import FINISHES_AND_ARRIVALS, TIGHT_PROMPTS, run
+
+    out = {}
+    for name in ("script", "tight"):
+        cfg = EngineConfig(max_num_seqs=8, max_model_len=96, block_size=4, max_batch_tokens=64, tensor_parallel_size=tp)
+        with eager_on_cpu():
+            group = start_ranks(target, cfg) if tp > 1 else None
+            model = load_model(target, torch.float32, "cpu", group)
+            if name == "tight":  # the shard's own KV heads: 40 blocks on every rank
+                s = model.shape
+                cfg = cfg.model_copy(update={"prefill_chunk": 16, "kv_cache_gb": 40 * block_bytes(
+                    s.layers, 4, s.kv_heads, s.head_dim, torch.float32) / 2**30})
+            e = Engine(model, CharTokenizer(), cfg, {}, None)
+        try:
+            if name == "script":
+                out[name] = run(e, FINISHES_AND_ARRIVALS)
+            else:
+                out[name] = [r["token_ids"] for r in e.generate(TIGHT_PROMPTS, SamplingParams(max_tokens=40, ignore_eos=True),
+                                                                SpecParams("off"))]
+            p = e.pipeline
+            out[name + "_counts"] = {"hits": p.hits, "fresh": p.fresh, "deferred_rows": p.deferred_rows,
+                                     "dropped_rows": p.dropped_rows, "preemptions": e.scheduler.preemptions,
+                                     "blocks": e.kv.pool.num_blocks, "held": list(e.kv.held())}
+        finally:
+            e.close()
+    return out
+
+
 def head_tokens(drafter: str, target: str, tp: int) -> dict:
     from cluster.config import ClusterConfig
     from cluster.serve.build import build_engine
@@ -145,6 +182,8 @@ def main(mode: str, target: str, tp: int, draft: str | None = None) -> dict:
         return head_tokens(mode, target, tp)
     if mode == "graphs":
         return graph_tokens(target, draft, tp)
+    if mode == "pipeline":
+        return pipeline_tokens(target, tp)
     if mode == "fp8":
         with tempfile.TemporaryDirectory() as tmp:
             e = fp8_engine(target, draft, tp, saving_launcher(tmp))
