@@ -13,7 +13,7 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster.config import ClusterConfig, load_config, parse_config
 from cluster.serve.drafter import DrafterDeployment
-from cluster.serve.followers import placement_options
+from cluster.serve.followers import placement_options, verifier_actor_options
 from cluster.serve.router import Router
 from cluster.serve.verifier import StatsBoard, Verifier
 
@@ -66,7 +66,8 @@ def build_app(cfg: ClusterConfig) -> Application:
     if cfg.placement == "disaggregated" and remote_drafters(cfg):
         drafter = DrafterDeployment.options(**_options(cfg.drafter, scaling["drafter"])).bind(data)
     # a tensor-parallel replica reserves all its devices as one placement group (cluster.serve.followers)
-    verifier = Verifier.options(**_options(cfg.verifier, scaling["verifier"]), **placement_options(cfg),
+    opts = {**_options(cfg.verifier, scaling["verifier"]), "ray_actor_options": verifier_actor_options(cfg)}
+    verifier = Verifier.options(**opts, **placement_options(cfg),
                                 request_router_config=request_router_config(cfg)).bind(data, drafter, board)
     # the Router refuses past max_inflight itself; max_queued_requests bounds what waits in
     # the proxies for a Router slot (RESOURCE_EXHAUSTED beyond), which is unbounded by default

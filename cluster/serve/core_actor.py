@@ -14,6 +14,9 @@ import uuid
 import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from cluster.serve.followers import own_device_env
+
 CORE_PREFIX = "spec-cluster-core::"  # + the replica's id: the core actor's name ...
 CORE_NAMESPACE = "serve"  # ... in Serve's namespace, beside its replica (a child would take the job's)
 START_TIMEOUT_S = 1800.0  # a cold GPU start compiles and captures for minutes
@@ -80,6 +83,7 @@ def start_core(config: dict, drafter, replica_id: str, inbox_addr: str, outbox_a
     # the replica's devices (Ray leaves an actor of no GPUs as it is given) and its CPU threads
     # (Ray sets them from the replica's num_cpus; an actor of no CPUs would get one)
     env = {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS") if k in os.environ}
+    env.update(own_device_env())  # a tensor-parallel replica's rank 0 drives the replica's GPU
     if env:
         opts["runtime_env"] = {"env_vars": env}
     # named for operators and fault tests (the dashboard lists it beside its replica)

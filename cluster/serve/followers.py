@@ -18,6 +18,46 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 START_TIMEOUT_S = 300.0  # a follower's actor starting (its process, imports); loading comes after
+# The ranks of a GPU replica see every GPU of the node, each driving the one Ray gave it (its
+# index in DEVICE_ENV), as vLLM's Ray executor does: NVLink peer access, which NCCL's P2P
+# transport and the one-shot all-reduce's symmetric memory need, works only between devices
+# a process sees, and Ray's per-actor CUDA_VISIBLE_DEVICES shows each rank its own GPU alone.
+SHARED_GPUS = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+
+
+def device_index(assigned: str, visible: str | None) -> str:
+    """Ray's GPU id as an index among the devices this process sees: its place in
+    CUDA_VISIBLE_DEVICES where the node sets that (ids or UUIDs), else the id itself."""
+    if not visible:
+        return str(int(assigned))
+    ids = [x.strip() for x in visible.split(",")]
+    if str(assigned) not in ids:
+        raise RuntimeError(f"Ray's GPU {assigned} is not among CUDA_VISIBLE_DEVICES {visible}")
+    return str(ids.index(str(assigned)))
+
+
+def shares_gpus(cfg) -> bool:
+    return cfg.engine.tensor_parallel_size > 1 and bool(cfg.verifier.ray_actor_options.get("num_gpus"))
+
+
+def verifier_actor_options(cfg) -> dict:
+    """The Verifier's ray_actor_options; a tensor-parallel GPU replica's (rank 0's) see every GPU."""
+    opts = dict(cfg.verifier.ray_actor_options)
+    if shares_gpus(cfg):
+        env = dict(opts.get("runtime_env") or {})
+        env["env_vars"] = {**env.get("env_vars", {}), **SHARED_GPUS}
+        opts["runtime_env"] = env
+    return opts
+
+
+def own_device_env() -> dict:
+    """{DEVICE_ENV: index} for a process of a tensor-parallel GPU replica that sees every GPU
+    (SHARED_GPUS): the GPU Ray gave it; {} elsewhere."""
+    from cluster.engine.distributed.parallel import DEVICE_ENV
+
+    if os.environ.get(next(iter(SHARED_GPUS))) != "1" or not ray.get_gpu_ids():
+        return {}
+    return {DEVICE_ENV: device_index(str(ray.get_gpu_ids()[0]), os.environ.get("CUDA_VISIBLE_DEVICES"))}
 
 
 def placement_options(cfg) -> dict:
@@ -54,6 +94,7 @@ class Follower:
     def follow(self, rank: int, size: int, addr: str, port: int, target: str, cfg, step_timeout_s: float) -> None:
         from cluster.engine.distributed.ranks import follow
 
+        os.environ.update(own_device_env())  # before CUDA starts in this process
         follow(rank, size, port, target, cfg, step_timeout_s, addr)
 
 
@@ -93,7 +134,8 @@ def launch(rank: int, size: int, addr: str, port: int, target: str, cfg, step_ti
     """cluster.engine.distributed.ranks launcher: rank `rank` as a Follower actor in bundle `rank` of this
     replica's placement group (or, outside one, wherever Ray places one device's worth)."""
     pg = get_current_placement_group()
-    opts = {"num_gpus": 1, "num_cpus": 1} if cfg.device == "cuda" else {"num_cpus": 1}
+    opts = {"num_gpus": 1, "num_cpus": 1, "runtime_env": {"env_vars": SHARED_GPUS}} if cfg.device == "cuda" \
+        else {"num_cpus": 1}
     if pg is not None:
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
         name = ray.util.placement_group_table(pg)["name"]  # Serve names it after the replica actor

@@ -77,7 +77,11 @@ def test_deployment_entries_are_what_the_config_asks_for(path):
     scaling = load_autoscaling(REPO / cfg.autoscaling_file) if cfg.autoscaling_file else None
     for name, section in (("Verifier", cfg.verifier), ("Drafter", cfg.drafter)):
         e = entries[name]
-        assert e["ray_actor_options"] == {"num_cpus": 1, **section.ray_actor_options}
+        want = {"num_cpus": 1, **section.ray_actor_options}
+        if name == "Verifier" and cfg.engine.tensor_parallel_size > 1 and section.ray_actor_options.get("num_gpus"):
+            # rank 0 sees every GPU of the node, as its followers do (cluster.serve.followers)
+            want["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+        assert e["ray_actor_options"] == want
         assert e["max_ongoing_requests"] == section.max_ongoing_requests
         if section.autoscaling and scaling:
             policy = getattr(scaling, name.lower()).serve_autoscaling_config()

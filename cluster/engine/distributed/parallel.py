@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
 from dataclasses import dataclass
 
@@ -173,11 +174,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Set by a launcher that shows a rank every GPU and names the one it drives (cluster.serve.followers)
+DEVICE_ENV = "SPEC_CLUSTER_CUDA_DEVICE"
+
+
 def rank_device(device: str, rank: int) -> torch.device:
-    """A rank's device: cuda:<rank> where the process sees the node's GPUs (spawned ranks),
-    cuda:0 where it sees only its own (Ray sets CUDA_VISIBLE_DEVICES per actor); cpu as it is."""
+    """A rank's device: the index DEVICE_ENV names where it is set; else cuda:<rank> where the
+    process sees the node's GPUs (spawned ranks), cuda:0 where it sees only its own; cpu as it is."""
     if device != "cuda":
         return torch.device(device)
+    if os.environ.get(DEVICE_ENV):
+        return torch.device(f"cuda:{int(os.environ[DEVICE_ENV])}")
     return torch.device(f"cuda:{rank % torch.cuda.device_count()}")
 
 
