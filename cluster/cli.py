@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start (or join) Ray and serve the cluster over gRPC and HTTP (OpenAI API)")
     up.add_argument("--config", help="cluster YAML (default: embedded demo config)")
-    up.add_argument("--address", help="Ray address to join (default: start a local Ray)")
+    up.add_argument("--address", help="Ray address to join (default: $RAY_ADDRESS, else start a Ray of its own)")
     up.add_argument("--port", type=int, help="gRPC port (default from config: 9000)")
     up.add_argument("--http-port", type=int, help="HTTP port of the OpenAI-compatible API (default from config: 8000)")
     up.add_argument("--placement", choices=["colocated", "disaggregated"])

@@ -25,9 +25,12 @@ def grpc_options(cfg: ClusterConfig) -> gRPCOptions:
 
 def deploy(cfg: ClusterConfig, address: str | None = None, num_cpus: int | None = None,
            blocking: bool = False, proxy_location: str = "EveryNode") -> dict:
-    """Returns {grpc, http, dashboard}; the app stays up until `shutdown()`."""
+    """Returns {grpc, http, dashboard}; the app stays up until `shutdown()`. Without an address
+    it joins $RAY_ADDRESS where that is set, else starts a Ray of its own (not one it happens to
+    find running on this machine, whose resources and Serve apps are someone else's)."""
     if not ray.is_initialized():
-        if address is None and num_cpus is None:
+        address = address or os.environ.get("RAY_ADDRESS") or "local"
+        if address == "local" and num_cpus is None:
             # Router, Verifier and Drafter take a logical CPU each; a laptop-sized local Ray
             # must still place all three (they mostly wait on each other, not on the cores).
             num_cpus = max(4, os.cpu_count() or 1)
