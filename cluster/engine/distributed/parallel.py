@@ -150,10 +150,11 @@ class Group:
         dist.all_gather(parts, x, group=self.step_group)
         return torch.cat(parts, dim=-1)[..., :vocab_size] if self.first else None
 
-    def broadcast_tokens(self, x: torch.Tensor | int) -> torch.Tensor:
+    def broadcast_tokens(self, x: torch.Tensor | int | tuple) -> torch.Tensor:
         """Rank 0's int64 tokens on its device to every rank's device (a follower passes their
-        count): a launched-ahead step's input, in stream order after rank 0 drew them."""
-        x = torch.empty(x, dtype=torch.int64, device=self.device) if isinstance(x, int) else x.contiguous()
+        shape): a launched-ahead step's input or a verify pass's drafts, in stream order after
+        rank 0 made them."""
+        x = x.contiguous() if isinstance(x, torch.Tensor) else torch.empty(x, dtype=torch.int64, device=self.device)
         dist.broadcast(x, src=0, group=self.step_group)
         return x
 

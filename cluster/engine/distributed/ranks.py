@@ -44,8 +44,9 @@ from cluster.engine.worker.runner import Runner
 
 log = logging.getLogger(__name__)
 STOP, FORWARD, CALIBRATE, CAPTURE = 0, 1, 2, 3
-META = 10     # op, rows B, tokens N (all rows, unpadded), table updates U, last_only, layers, tree section length (0: chains),
-#               KV slot moves M, graphs (0: an eager pass on every rank), carried rows K (a launch ahead, below)
+META = 11     # op, rows B, tokens N (all rows, unpadded), table updates U, last_only, layers, tree section length (0: chains),
+#               KV slot moves M, graphs (0: an eager pass on every rank), carried rows K (a launch ahead, below),
+#               carried draft columns G (a verify pass whose drafts are still on rank 0's device)
 #               (CALIBRATE: op, tokens, 0...; CAPTURE: op, max batch, 0...)
 SETUP = 8     # blocks, block_size, max_rows, max_tokens, fp8 cache (0 / 1), graph width (0: no graphs),
 #               prefill chunk, graph prefill tokens
@@ -55,12 +56,15 @@ DEATH_WAIT_S = 2.0  # after a failed collective, how long rank 0 looks for the f
 
 def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens: list[list[int]],
            last_only: bool, num_layers: int | None, trees: list[list[int] | None] | None = None,
-           moves: list[tuple[int, int]] = (), graphs: bool = False, carried: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+           moves: list[tuple[int, int]] = (), graphs: bool = False, carried: int = 0,
+           drafts: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The header of one pass: (meta [META], payload), host int64. Draft trees travel as each
     row's node count + 1 (0: a chain) then the tree rows' parents; `moves`: rank 0's KV slot
     copies since the last pass (accepted tree paths), which every follower repeats on its
     heads before this pass. `carried` > 0: a decode step launched ahead whose first `carried`
-    rows take their tokens from the device, broadcast after the header (AnnouncedGraphs)."""
+    rows take their tokens from the device, broadcast after the header (AnnouncedGraphs);
+    `drafts` > 0: a verify pass whose rows' tokens after the first are [B, drafts] draft ids
+    broadcast from rank 0's device after the header (Runner.forward's `carried`)."""
     q_lens = [len(t) for t in tokens]
     b = len(tokens)
     flat = [x for t in tokens for x in t]  # unpadded: each rank's Runner.forward pads as rank 0's does
@@ -69,7 +73,7 @@ def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens
         tree = [len(t) + 1 if t is not None else 0 for t in trees] + [p for t in trees if t is not None for p in t]
     moved = [s for s, _ in moves] + [d for _, d in moves]
     meta = torch.tensor([FORWARD, b, len(flat), updates.shape[1], int(last_only), num_layers or 0, len(tree), len(moves),
-                         int(graphs), carried], dtype=torch.int64)
+                         int(graphs), carried, drafts], dtype=torch.int64)
     payload = torch.cat([torch.tensor(rows + cache_lens + q_lens + flat + tree + moved, dtype=torch.int64),
                          updates.flatten()])
     return meta, payload
@@ -78,7 +82,7 @@ def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens
 def payload_len(meta: list[int]) -> int:
     if meta[0] == CALIBRATE:
         return meta[1]
-    _, b, num_tokens, num_updates, _, _, num_tree, num_moves, _, _ = meta
+    _, b, num_tokens, num_updates, _, _, num_tree, num_moves, _, _, _ = meta
     return 3 * b + num_tokens + num_tree + 2 * num_moves + 3 * num_updates
 
 
@@ -95,7 +99,7 @@ def run_step(runner: Runner, group: Group, meta: list[int], payload: torch.Tenso
     """A follower's pass from its header: the KV changes rank 0 made, then the Runner.forward
     rank 0 runs, with the same arguments (its logits stay on rank 0: only rank 0 samples); a
     launch ahead takes its carried rows' tokens from rank 0's broadcast, as rank 0's does."""
-    _, b, num_tokens, num_updates, last_only, num_layers, num_tree, num_moves, graphs, carried = meta
+    _, b, num_tokens, num_updates, last_only, num_layers, num_tree, num_moves, graphs, carried, drafts = meta
     head, updates = payload[:len(payload) - 3 * num_updates].tolist(), payload[len(payload) - 3 * num_updates:]
     rows, lens, q_lens = head[:b], head[b:2 * b], head[2 * b:3 * b]
     at = 3 * b + num_tokens
@@ -114,7 +118,8 @@ def run_step(runner: Runner, group: Group, meta: list[int], payload: torch.Tenso
     runner.graphs = kept if graphs else None
     try:
         runner.forward(rows, lens, tokens, bool(last_only), num_layers or None,
-                       decode_trees(tree, b) if num_tree else None)
+                       decode_trees(tree, b) if num_tree else None,
+                       carried=group.broadcast_tokens((b, drafts)) if drafts else None)
     finally:
         runner.graphs = kept
 
@@ -125,7 +130,6 @@ class ParallelRunner(Runner):
     # the pass header describes one padded block: with mixed_prefill the engine runs this
     # runner's prefill and verify as separate steps
     can_mix = False
-    carries_drafts = False  # its followers take a pass's tokens from the host
 
     def __init__(self, model, kv: KVCache, attention: str, group: Group, graph_width: int = 0,
                  prefill_chunk: int = 0, graph_tokens: int = 0):
@@ -152,18 +156,22 @@ class ParallelRunner(Runner):
     def forward(self, rows, cache_lens, tokens, last_only, num_layers=None, trees=None, hidden=False, aux=False,
                 carried=None):
         """As Runner.forward, on every rank; `aux`: rank 0's capture of the aux layers' inputs
-        (the residual stream, whole on every rank after each all-reduce: no collective)."""
-        assert carried is None, "tokens reach the followers from the host (carries_drafts)"
+        (the residual stream, whole on every rank after each all-reduce: no collective);
+        `carried` drafts go from rank 0's device to every rank's after the header, so a verify
+        pass waits for no host round trip here either."""
         with self._failures():
-            self.announce(rows, cache_lens, tokens, last_only, num_layers, trees, self.graphs is not None)
-            return super().forward(rows, cache_lens, tokens, last_only, num_layers, trees, hidden, aux)
+            self.announce(rows, cache_lens, tokens, last_only, num_layers, trees, self.graphs is not None,
+                          drafts=0 if carried is None else carried.shape[1])
+            if carried is not None:
+                carried = self.group.broadcast_tokens(carried)
+            return super().forward(rows, cache_lens, tokens, last_only, num_layers, trees, hidden, aux, carried)
 
     def announce(self, rows, cache_lens, tokens, last_only, num_layers=None, trees=None, graphs=True,
-                 carried: int = 0) -> None:
+                 carried: int = 0, drafts: int = 0) -> None:
         """The next pass's header to the followers, and the table changes it carries applied here."""
         updates = self.kv.take_updates()
         meta, payload = encode(updates, rows, cache_lens, tokens, last_only, num_layers, trees, self.kv.moved,
-                               graphs, carried)
+                               graphs, carried, drafts)
         self.kv.moved.clear()
         self.group.broadcast_header(meta)
         self.group.broadcast_header(payload)
