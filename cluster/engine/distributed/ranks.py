@@ -11,7 +11,10 @@ KV heads' blocks, the same block ids) and no scheduler, so the engine above the 
 unchanged and a follower's host work does not grow with the batch.
 
 CUDA graphs hold each pass's all-reduces and its logits all-gather (NCCL captures them), so a
-step is one graph replay on every rank and the header is the host's only work a step. Graphs
+step is one graph replay on every rank and the header is the host's only work a step. What
+rank 0 has only on its device follows the header as a device broadcast, in stream order:
+a verify pass's drafts (Runner.forward's `carried`), and the drawn tokens of a plain step
+launched ahead (AnnouncedGraphs: plain decoding runs a step ahead on every rank). Graphs
 are captured in lockstep: rank 0 sends CAPTURE and every rank captures the same list in the
 same order; a graph first needed mid-serving is captured by every rank in the same pass. A
 header's `graphs` flag says whether rank 0 runs graphs at all for it (its warm-up passes are
