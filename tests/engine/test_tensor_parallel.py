@@ -170,6 +170,19 @@ def test_a_killed_rank_is_an_error_on_rank_0_not_a_hang(random_models):
     assert time.perf_counter() - t0 < 240
 
 
+def test_a_rank_that_fails_says_why_and_ends(random_models):
+    """A follower whose shard cannot load logs its error and ends at once (leaving the group
+    after a failure can wait forever on its peers); rank 0's start is a RankFailure naming it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "tests.engine.tp_rank0", "follower-fails", random_models["llama"], "2"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["error"] == "RankFailure" and "rank 1 (exit code 1) gone" in got["message"], got
+    assert got["seconds"] < 30, got  # well before the 30 s step timeout
+    assert "rank 1 of 2 failed; ending this rank" in out.stderr and "/nonexistent/target" in out.stderr
+
+
 def test_fp8_cache_matches_one_process_on_every_rank(random_models):
     """An fp8 KV cache over 2 ranks (rank 0 in its own process, tests.engine.tp_rank0): each
     rank calibrates on its own heads and the ranks take the maximum, so every rank holds the

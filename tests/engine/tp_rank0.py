@@ -17,6 +17,7 @@ tree, prints the greedy token ids of PROMPTS and each request's drafted and acce
 as JSON.
 kill: starts a generation, SIGKILLs rank 1 after a few steps, and prints how rank 0's next
 steps ended (the exception's type and message, and the seconds it took) as JSON.
+follower-fails: rank 1 cannot load its target; prints how rank 0's start ended, as kill does.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.distributed.ranks import follow, start_ranks
+from cluster.engine.distributed.ranks import follow, spawn, start_ranks
 from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.engine import Engine
 from cluster.engine.sampling import SamplingParams
@@ -203,6 +204,16 @@ def main(mode: str, target: str, tp: int, draft: str | None = None) -> dict:
             return {"greedy": greedy, "sampled": sampled, "held": list(e.kv.held())}
         finally:
             e.close()
+    if mode == "follower-fails":  # rank 1 is given a target it cannot load
+        def launch(rank, size, addr, port, _target, cfg, step_timeout_s):
+            return spawn(rank, size, addr, port, "/nonexistent/target", cfg, step_timeout_s)
+        t0 = time.perf_counter()
+        try:
+            group = start_ranks(target, config(tp), 30.0, launch=launch)
+            Engine(load_model(target, torch.float32, "cpu", group), CharTokenizer(), config(tp)).close()
+            return {"error": None}
+        except Exception as ex:  # noqa: BLE001 - the test judges what it was
+            return {"error": type(ex).__name__, "message": str(ex), "seconds": time.perf_counter() - t0}
     e = engine(target, tp, step_timeout_s=30.0)
     for p in PROMPTS:
         e.add_request(p, SamplingParams(max_tokens=200, ignore_eos=True), SpecParams("off"))

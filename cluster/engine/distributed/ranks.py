@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -337,6 +338,12 @@ def follow(rank: int, size: int, port: int, target: str, cfg, step_timeout_s: fl
                     run_step(runner, group, m, payload)
         if runner.graphs is not None:  # after STOP only: a failed step may have left a kernel waiting on a peer
             runner.graphs.release()
-    finally:
-        group.close()
+    except BaseException:
+        # Say why, then end this rank at once: leaving the group after a failure can wait forever
+        # on a collective the others never finish, and the error with it (a TP 2 follower went
+        # silent so, benchmarks/gpu/tp/ahead/tp2_hang.log). Rank 0 sees this rank gone (RankFailure).
+        log.exception("rank %d of %d failed; ending this rank", rank, size)
+        logging.shutdown()
+        os._exit(1)
+    group.close()
     return runner
