@@ -22,7 +22,8 @@ START_TIMEOUT_S = 300.0  # a follower's actor starting (its process, imports); l
 # index in DEVICE_ENV), as vLLM's Ray executor does: NVLink peer access, which NCCL's P2P
 # transport and the one-shot all-reduce's symmetric memory need, works only between devices
 # a process sees, and Ray's per-actor CUDA_VISIBLE_DEVICES shows each rank its own GPU alone.
-SHARED_GPUS = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+NOSET = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+SHARED_GPUS = {NOSET: "1"}
 
 
 def device_index(assigned: str, visible: str | None) -> str:
@@ -55,7 +56,7 @@ def own_device_env() -> dict:
     (SHARED_GPUS): the GPU Ray gave it; {} elsewhere."""
     from cluster.engine.distributed.parallel import DEVICE_ENV
 
-    if os.environ.get(next(iter(SHARED_GPUS))) != "1" or not ray.get_gpu_ids():
+    if os.environ.get(NOSET) != "1" or not ray.get_gpu_ids():
         return {}
     return {DEVICE_ENV: device_index(str(ray.get_gpu_ids()[0]), os.environ.get("CUDA_VISIBLE_DEVICES"))}
 
