@@ -110,10 +110,14 @@ def batch1(engine, a, R: dict) -> None:
     log("batch 1 plain:", R["batch1"])
 
 
-def verify(engine, a, R: dict) -> None:
+def context_steps(engine, a):
+    """A row of a.ctx tokens and calls that time one decode step and one gamma-4 verify pass after it."""
     ids = engine.tokenizer.encode(a.prompts[1])
-    ctx = (ids * (a.ctx // max(len(ids), 1) + 1))[: a.ctx]
-    slot, step = step_calls(engine, ctx, (1, 5))
+    return step_calls(engine, (ids * (a.ctx // max(len(ids), 1) + 1))[: a.ctx], (1, 5))
+
+
+def verify(engine, a, R: dict) -> None:
+    slot, step = context_steps(engine, a)
     t_dec, t_ver = timed(step[1], a.iters), timed(step[5], a.iters)
     engine.kv.close(slot)
     R["verify"] = {"context_tokens": a.ctx, "decode_ms": 1e3 * t_dec, "verify5_ms": 1e3 * t_ver, "ratio": t_ver / t_dec}
@@ -123,8 +127,7 @@ def verify(engine, a, R: dict) -> None:
 def profile(engine, a, R: dict) -> None:
     from cluster.bench.profiling import step_profile
 
-    ids = engine.tokenizer.encode(a.prompts[1])
-    slot, step = step_calls(engine, (ids * (a.ctx // max(len(ids), 1) + 1))[: a.ctx], (1, 5))
+    slot, step = context_steps(engine, a)
     R["profile"] = {"context_tokens": a.ctx}
     for w, name in ((1, "decode"), (5, "verify5")):
         R["profile"][name] = p = step_profile(step[w])

@@ -114,8 +114,7 @@ def run_step(runner: Runner, group: Group, meta: list[int], payload: torch.Tenso
         runner.kv.apply_updates(updates.view(3, num_updates))
     ends = list(itertools.accumulate(q_lens))
     tokens = [ids[e - q:e] for e, q in zip(ends, q_lens)]
-    if carried:
-        runner.kv.sync()
+    if carried:  # the header's table changes are in (above): a follower keeps no others
         runner.graphs.launch(rows, lens, tokens, group.broadcast_tokens(carried))
         return
     kept = runner.graphs
