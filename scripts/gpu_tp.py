@@ -264,6 +264,8 @@ def parse(argv=None):
                    help="engine.compile off (COMPILE=0): no fused Triton GEMV or compiled kernels on any rank")
     p.add_argument("--levels", default=env("LEVELS", "1,8,32,128"))
     p.add_argument("--gammas", default=env("GAMMAS", "2,3,4,6"))
+    p.add_argument("--max-seqs", type=int, default=int(env("MAX_SEQS", "0")),
+                   help="engine.max_num_seqs (MAX_SEQS; 0: max(64, the largest level)): fewer graphs to capture")
     p.add_argument("--kv-gb", type=float, default=float(env("KV_GB", "0")),
                    help="KV pool per rank (GiB); 0: 4 at TP 2 (70B bf16 leaves ~14 GiB of an H100), 16 at TP 4, 32 at TP 8")
     p.add_argument("--out", default=env("OUT", "."))
@@ -303,7 +305,7 @@ def main(argv=None) -> int:
                    "drafter": "none" if a.draft == "none" else "model", "device": "cuda" if cuda else "cpu",
                    "dtype": "bfloat16" if cuda else "float32"},
         "engine": {"tensor_parallel_size": a.tp, "cuda_graphs": a.graphs, "tp_one_shot_kb": a.one_shot_kb,
-                   "max_num_seqs": max(64, max(a.levels)) if cuda else 8,
+                   "max_num_seqs": (a.max_seqs or max(64, max(a.levels))) if cuda else 8,
                    "max_model_len": 2048 if cuda else 512,
                    "max_waiting": 1024, "max_batch_tokens": 2048, "prefill_chunk": 512, "kv_cache_gb": kv_gb,
                    "compile": a.compile and cuda, "prefix_caching": True},
@@ -313,7 +315,8 @@ def main(argv=None) -> int:
     R: dict = {"label": label, "device": torch.cuda.get_device_name() if cuda else "cpu", "tp": a.tp,
                "gpus": torch.cuda.device_count() if cuda else 0, "torch": torch.__version__,
                "command": " ".join(["python3", "scripts/gpu_tp.py", *(argv or sys.argv[1:])]),
-               "env": {k: os.environ[k] for k in ("TP", "PARTS", "LEVELS", "LAYERS", "GAMMAS", "KV_GB", "GRAPHS", "ONE_SHOT_KB", "COMPILE")
+               "env": {k: os.environ[k] for k in ("TP", "PARTS", "LEVELS", "LAYERS", "GAMMAS", "KV_GB", "MAX_SEQS", "GRAPHS",
+                                                 "ONE_SHOT_KB", "COMPILE")
                        if k in os.environ},
                "engine": cfg.engine.model_dump(), "target_overrides": a.overrides}
     from cluster.serve.build import build_engine
