@@ -12,6 +12,11 @@
     bash .device-bundle/unpack.sh; PYTHONPATH=/tmp/site:$PWD python3 scripts/gpu_gemm_rows.py
     # writes $OUT/gpu_gemm_rows.json; then, anywhere:
     python3 scripts/gpu_gemm_rows.py plot benchmarks/gpu/h100/gemm_rows/gpu_gemm_rows.json
+
+A tensor-parallel rank's projections instead (part 1 only, a wider config set, K splits 1, 2
+and 4 for every shape, rows 5 and 7: the verify passes of gamma 4 and 6):
+
+    SHAPES=70b-tp4,70b-tp2 CONFIGS=wide SPLITS=1,2,4 ROWS=5,7 PARTS=kernels python3 scripts/gpu_gemm_rows.py
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,6 +40,21 @@ DEMO = Path(__file__).resolve().parents[1] / "cluster" / "models" / "demo"
 SHAPES = {"qkv": (6144, 4096, "rmsnorm", False), "o": (4096, 4096, "none", True),
           "gate_up": (28672, 4096, "rmsnorm", False), "down": (4096, 14336, "silu", True),
           "lm_head": (128256, 4096, "none", False)}
+
+
+def rank_shapes(tp: int) -> dict:
+    """A tensor-parallel rank's projections of the 70B shape (64 q heads, 8 KV heads of 128,
+    hidden 8192, intermediate 28672), as rank 0 calls them (its partial sums carry the residual)."""
+    return {f"70b-tp{tp}/qkv": ((64 + 16) * 128 // tp, 8192, "rmsnorm", False),
+            f"70b-tp{tp}/o": (8192, 64 * 128 // tp, "none", True),
+            f"70b-tp{tp}/gate_up": (2 * 28672 // tp, 8192, "rmsnorm", False),
+            f"70b-tp{tp}/down": (8192, 28672 // tp, "silu", True)}
+
+
+# CONFIGS=wide: more programs at a rank's narrower N (a 70B rank's qkv is 2560 wide at TP 4)
+WIDE = [(16, 128, 4, 4), (16, 256, 8, 4), (16, 512, 4, 3), (16, 512, 8, 3), (16, 1024, 8, 2),
+        (32, 128, 4, 4), (32, 128, 4, 5), (32, 256, 8, 4), (32, 512, 4, 3), (32, 512, 8, 3),
+        (64, 64, 4, 6), (64, 128, 8, 5), (64, 512, 8, 3), (128, 64, 4, 6), (128, 256, 8, 3)]
 
 
 def graph_time(fn, copies: int, reps: int = 20) -> float:
@@ -73,6 +94,18 @@ def sweep(call, configs: list[dict], k_range: int, copies: int) -> tuple[dict, f
     return json.loads(best), ok[best], times
 
 
+@contextmanager
+def split_k(split: int | None):
+    """fused_linear with `split` K splits for every shape (None: the kernel's own rule)."""
+    rule = gemv._splits
+    if split is not None:
+        gemv._splits = lambda n, k: split if k % (split * 128) == 0 else 1
+    try:
+        yield
+    finally:
+        gemv._splits = rule
+
+
 def cublas(x, w, nw, silu, r):
     if nw is not None:
         x = model.rms_norm(x, nw, 1e-5)
@@ -86,12 +119,18 @@ def cublas(x, w, nw, silu, r):
 def kernels(bw: float) -> dict:
     out, g = {}, torch.Generator(device="cuda").manual_seed(0)
     configs = tuned_configs()
-    for name, (n, k, pro, res) in SHAPES.items():
+    if os.environ.get("CONFIGS") == "wide":
+        configs += [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st) for bn, bk, w, st in WIDE]
+    shapes = SHAPES if "SHAPES" not in os.environ else \
+        {k: v for x in os.environ["SHAPES"].split(",") for k, v in rank_shapes(int(x.split("tp")[1])).items()}
+    splits = [int(x) for x in os.environ["SPLITS"].split(",")] if "SPLITS" in os.environ else [None]
+    rows_set = [int(x) for x in os.environ.get("ROWS", "1,2,5,9,16").split(",")]
+    for name, (n, k, pro, res) in shapes.items():
         w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).bfloat16()
         copies = -(-200_000_000 // (w.numel() * 2))
         ws = [w] + [w.clone() for _ in range(copies - 1)]
         nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).bfloat16() if pro == "rmsnorm" else None
-        for rows in (1, 2, 5, 9, 16):
+        for rows in sorted({1, *rows_set}):
             x = torch.randn(rows, 2 * k if pro == "silu" else k, device="cuda", generator=g).bfloat16()
             r = torch.randn(rows, n, device="cuda", generator=g).bfloat16() if res else None
             row = {"ideal_ms": 1e3 * w.numel() * 2 / bw,
@@ -105,10 +144,17 @@ def kernels(bw: float) -> dict:
                 row["gemv_ms"] = 1e3 * graph_time(f, copies)
                 row["gemv_err"] = (f(0).float() - ref).abs().max().item() / scale
             else:
-                best, best_ms, times = sweep(lambda i, c: gemv.fused_linear(x, ws[i], None, nw, 1e-5, pro == "silu", r,
-                                                                            config=c), configs, k, copies)
-                row.update(best_ms=best_ms, best=best, configs=times)
-                y = gemv.fused_linear(x, w, None, nw, 1e-5, pro == "silu", r, config=best)
+                for split in splits:  # None: the kernel's own rule (gemv._splits)
+                    with split_k(split):
+                        best, best_ms, times = sweep(lambda i, c: gemv.fused_linear(
+                            x, ws[i], None, nw, 1e-5, pro == "silu", r, config=c), configs, k // gemv._splits(n, k),
+                            copies)
+                    if split is not None:
+                        row.setdefault("by_split", {})[split] = {"best_ms": best_ms, "best": best}
+                    if "best_ms" not in row or best_ms < row["best_ms"]:
+                        row.update(best_ms=best_ms, best=best, configs=times, split=split)
+                with split_k(row["split"]):
+                    y = gemv.fused_linear(x, w, None, nw, 1e-5, pro == "silu", r, config=row["best"])
                 row["kernel_err"] = (y.float() - ref).abs().max().item() / scale
                 row["used"] = "kernel" if gemv.supported(rows, n, k) else "cublas"
             out[f"{name}/{rows}"] = row
@@ -152,6 +198,10 @@ def main() -> int:
     t0 = time.perf_counter()
     R["kernels"] = kernels(bw)
     print(f"kernel sweep {time.perf_counter() - t0:.0f} s", flush=True)
+    if os.environ.get("PARTS") == "kernels":
+        with open(os.path.join(OUT, os.environ.get("NAME", "gpu_gemm_rows") + ".json"), "w") as f:
+            json.dump(R, f, indent=1)
+        return 0
     target, _ = demo_8b(DEMO / "target", DEMO / "draft")
     cfg = EngineConfig(max_num_seqs=16, max_model_len=1024, device="cuda", dtype="bfloat16",
                        compile=True)

@@ -18,7 +18,8 @@ PARTS (--parts / PARTS, comma-separated, default all):
 - sweep: c requests in flight over max(2c, 8), plain / fixed gamma 4 / goodput controller per
   level (gpu_scale.py's method), with gpu_scale's roofline at per-rank bytes on a GPU;
 - profile: rank 0's kernels in a decode step and a gamma-4 verify pass at 512 tokens of context,
-  by kind, against the step's wall time (cluster.bench.profiling; not in the default).
+  by kind, against the step's wall time, and (with a drafter) whole speculative engine steps of
+  one stream at the largest gamma (cluster.bench.profiling; not in the default).
 DRAFT=none: no drafter (parts that need none start faster).
 Results are rewritten after every part, so a run cut at the device's 10 minutes keeps them.
 """
@@ -134,6 +135,18 @@ def profile(engine, a, R: dict) -> None:
         log(f"profile {name}: wall {p['wall_us']:.0f} us, kernels {p['kernel_us']:.0f} us, busy {p['gpu_busy_us']:.0f} us,",
             {k: round(v["us"]) for k, v in p["by_category"].items()}, p.get("all_reduce"))
     engine.kv.close(slot)
+    if engine.drafters:  # a whole speculative step of one stream: where the GPU waits on the host
+        from cluster.engine.sampling import SamplingParams
+
+        g = max(a.gammas)
+        sid = engine.add_request(a.prompts[0], SamplingParams(max_tokens=40 * (g + 1), ignore_eos=True),
+                                 SpecParams("fixed", g), "model")
+        while not engine.seqs[sid].num_output:  # past the prefill
+            engine.step()
+        R["profile"][f"spec_step_g{g}"] = p = step_profile(engine.step)
+        engine.abort(sid)
+        log(f"profile spec step g{g}: wall {p['wall_us']:.0f} us, busy {p['gpu_busy_us']:.0f} us,",
+            {k: round(v["us"]) for k, v in p["by_category"].items()}, {k: round(v["us"]) for k, v in p["host_calls"].items()})
 
 
 def spec(engine, a, R: dict) -> None:

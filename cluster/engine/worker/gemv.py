@@ -106,28 +106,27 @@ def _rows_configs():
 
 
 @triton.jit
-def _gemm_rows_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, part_ptr, M, N, K, k_split, stride_x,
-                      stride_r, eps, PRO: tl.constexpr, RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _gemm_rows_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, rstd_ptr, res_ptr, y_ptr, part_ptr, M, N, K, k_split, stride_x,
+                      stride_r, PRO: tl.constexpr, RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                       SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       BLOCK_M: tl.constexpr = 16):
     """_gemv for 2..16 rows (x: [M, K], or [M, 2K] for SiLU; y, res: [M, N]). The weight tile
     [BLOCK_N, BLOCK_K] is the MMA's first operand as it lies in memory (K contiguous), the
     few rows, padded to 16, the second: y^T = W x^T. Tensor cores do the FMAs, which for
     3+ rows on the CUDA cores bounded the kernel (the reverted _gemv_rows, commit 2d95708).
-    SPLIT: program (i, j) sums K range j * k_split.. into part[j] (fp32), _split_sum finishes."""
+    SPLIT: program (i, j) sums K range j * k_split.. into part[j] (fp32), _split_sum finishes.
+    PRO 1 reads each row's rstd from _rstd, run before: computed here, every program read all of
+    x before its first weight load, and at a tensor-parallel rank's widths (a wave of programs
+    or two) that wait was the kernel's gap to _gemv (70B shape at TP 4: qkv 26 us against 17,
+    gate_up 92 against 80; benchmarks/gpu/tp/gemm_rows)."""
     rm = tl.arange(0, BLOCK_M)  # rows past M load as 0 (no memory traffic) and are not stored
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * k_split
     mmask = rm < M
     nmask = rn < N
     out_ty = y_ptr.dtype.element_ty
-    if PRO == 1:  # rstd of each row, as in _gemv
-        ss = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-        for kb in range(0, K // BLOCK_K):
-            rk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-            xv = tl.load(x_ptr + rm[:, None] * stride_x + rk[None, :], mask=mmask[:, None], other=0.0)
-            ss += xv.to(tl.float32) * xv.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
+    if PRO == 1:  # each row's rstd, from _rstd
+        rstd = tl.load(rstd_ptr + rm, mask=mmask, other=1.0)[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for kb in range(0, k_split // BLOCK_K):  # k_split % BLOCK_K == 0 (configs are pruned to fit)
         rk = k0 + kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -162,6 +161,17 @@ def _gemm_rows_kernel(x_ptr, w_ptr, b_ptr, nw_ptr, res_ptr, y_ptr, part_ptr, M, 
 _gemm_rows = triton.autotune(configs=_rows_configs(), key=["N", "K", "k_split", "PRO", "RES", "HAS_BIAS"],
                              prune_configs_by={"early_config_prune": _prune}, do_bench=_bench,
                              cache_results=True)(_gemm_rows_kernel)
+
+
+@triton.jit
+def _rstd(x_ptr, out_ptr, K, stride_x, eps, BLOCK_K: tl.constexpr):
+    """out[m] = rsqrt(mean(x[m]^2) + eps) in fp32: one program a row, for _gemm_rows's norm."""
+    m = tl.program_id(0)
+    ss = tl.zeros((BLOCK_K,), tl.float32)
+    for kb in range(0, K // BLOCK_K):
+        xv = tl.load(x_ptr + m * stride_x + kb * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.float32)
+        ss += xv * xv
+    tl.store(out_ptr + m, tl.rsqrt(tl.sum(ss, axis=0) / K + eps))
 
 
 @triton.jit
@@ -226,7 +236,11 @@ def fused_linear(x: torch.Tensor, w: torch.Tensor, bias=None, norm=None, eps: fl
     res = _rows(residual, m) if residual is not None else y
     s = _splits(n, k)
     part = torch.empty((s, m, n), dtype=torch.float32, device=x.device) if s > 1 else y
-    args = (x2, w, b, nw, res, y, part, m, n, k, k // s, x2.stride(0), res.stride(0), eps)
+    rstd = w
+    if pro == PRO_RMSNORM:
+        rstd = torch.empty((m,), dtype=torch.float32, device=x.device)
+        _rstd[(m,)](x2, rstd, k, x2.stride(0), eps, BLOCK_K=next(bk for bk in (1024, 512, 256, 128) if k % bk == 0))
+    args = (x2, w, b, nw, rstd, res, y, part, m, n, k, k // s, x2.stride(0), res.stride(0))
     flags = dict(PRO=pro, RES=residual is not None, HAS_BIAS=bias is not None, SPLIT=s > 1)
     if config is None:
         _gemm_rows[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), s)](*args, **flags)
