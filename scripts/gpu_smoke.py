@@ -357,7 +357,7 @@ def main() -> int:
             RESULTS[f"{p}_engine"] = {"status": "FAIL", "error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
             print(f"FAIL {p}_engine: {RESULTS[f'{p}_engine']['error']}", flush=True)
             traceback.print_exc()
-    name = "smoke_warm.json" if PARTS == ["start"] else "smoke.json"
+    name = "smoke_warm.json" if PARTS == ["start"] else os.environ.get("SMOKE_JSON", "smoke.json")
     (OUT / name).write_text(json.dumps({"device": device, "results": RESULTS}, indent=1))
     bad = [k for k, v in RESULTS.items() if v["status"] == "FAIL"]
     log(f"{len(RESULTS) - len(bad)} of {len(RESULTS)} passed" + (f"; FAIL: {', '.join(bad)}" if bad else ""))

@@ -42,6 +42,25 @@ def _busy(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def gaps(kernels: list[tuple[float, float, str]], steps: int, top: int, min_us: float = 20.0) -> dict:
+    """Where the GPU sat idle: every gap of at least `min_us` between one kernel's end (the
+    latest so far) and the next kernel's start, grouped by the kernels on either side
+    ("previous -> next", names cut to 40 characters), per step; the host work that ran late
+    is what came before the next kernel's launch."""
+    by, end = defaultdict(lambda: [0, 0.0]), None
+    prev = ""
+    for s, e, name in kernels:
+        if end is not None and s - end >= min_us:
+            d = by[f"{prev[:40]} -> {name[:40]}"]
+            d[0] += 1
+            d[1] += s - end
+        if end is None or e > end:
+            end, prev = e, name
+    ranked = sorted(by.items(), key=lambda kv: -kv[1][1])
+    return {"idle_us": sum(us for _, us in by.values()) / steps,
+            "largest": {k: {"count": c / steps, "us": us / steps} for k, (c, us) in ranked[:top]}}
+
+
 def step_profile(fn, steps: int = 10, top: int = 12) -> dict:
     """`fn` run `steps` times: wall per step, then under the profiler its kernels per step (by
     category, count and microseconds), the GPU's busy time (their union) and the host calls
@@ -81,6 +100,7 @@ def step_profile(fn, steps: int = 10, top: int = 12) -> dict:
             d[1] += e - s
     per = lambda d: {k: {"count": c / steps, "us": us / steps} for k, (c, us) in  # noqa: E731
                      sorted(d.items(), key=lambda kv: -kv[1][1])}
+    out_gaps = gaps(kernels, steps, top)
     reduces = [e - s for s, e, name in kernels if category(name) == "all_reduce"]
     out = {"steps": steps, "wall_us": 1e6 * wall,
            "profiled_span_us": (kernels[-1][1] - kernels[0][0]) / steps if kernels else 0.0,
@@ -88,7 +108,7 @@ def step_profile(fn, steps: int = 10, top: int = 12) -> dict:
            "gpu_busy_us": _busy([(s, e) for s, e, _ in kernels]) / steps,
            "kernels_per_step": len(kernels) / steps,
            "by_category": per(cats), "top_kernels": dict(list(per(names).items())[:top]),
-           "host_calls": per(host)}
+           "host_calls": per(host), "gaps": out_gaps}
     if reduces and len(reduces) >= steps:
         k = len(reduces) // steps
         out["all_reduce"] = {"per_step": k, "median_us": statistics.median(reduces),

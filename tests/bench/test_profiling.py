@@ -1,0 +1,36 @@
+"""cluster.bench.profiling's accounting of a profiled step: busy time as the union of kernel
+intervals, and idle gaps grouped by the kernels on either side."""
+
+import torch
+
+from cluster.bench.profiling import _busy, category, gaps, step_profile
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    assert _busy([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+
+
+def test_gaps_are_grouped_by_neighbours_and_averaged_per_step():
+    # two steps, each: a 5 us gap (under the threshold), a 60 us wait before the verify GEMM
+    kernels = []
+    for t in (0, 1000):
+        kernels += [(t, t + 10, "argmax"), (t + 15, t + 20, "copy"), (t + 80, t + 400, "_gemm_rows_kernel"),
+                    (t + 100, t + 120, "one_shot_all_reduce")]  # inside the GEMM's span: no gap
+    g = gaps(kernels, steps=2, top=4)
+    # 60 us in each step before the GEMM, and 600 between the steps (argmax after the GEMM's end)
+    assert g["largest"]["copy -> _gemm_rows_kernel"] == {"count": 1.0, "us": 60.0}
+    assert g["largest"]["_gemm_rows_kernel -> argmax"] == {"count": 0.5, "us": 300.0}
+    assert g["idle_us"] == 360.0
+
+
+def test_category_first_match_wins():
+    assert category("void one_shot_all_reduce_kernel<bf16>") == "all_reduce"
+    assert category("_gemm_rows_kernel") == "gemm"
+    assert category("something_else") == "other"
+
+
+def test_a_cpu_step_profile_reports_host_calls_and_no_kernels():
+    calls = []
+    p = step_profile(lambda: calls.append(torch.ones(4).sum()), steps=3)
+    assert len(calls) == 3 + 3 + 3  # warm-up, timed, profiled
+    assert p["steps"] == 3 and p["kernel_us"] == 0.0 and p["gaps"]["idle_us"] == 0
