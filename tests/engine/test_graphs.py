@@ -14,6 +14,7 @@ import torch
 
 from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.eagle3 import Eagle3Drafter
+from cluster.engine.drafters.base import DraftRequest
 from cluster.engine.drafters.early_exit import EarlyExitDrafter
 from cluster.engine.drafters.medusa import CHAIN, MedusaDrafter, MedusaHeads
 from cluster.engine.drafters.model import ModelDrafter
@@ -121,6 +122,30 @@ def test_model_drafter_and_eagle3_steps_replay_graphs(engines):
     assert sum(p.graph.replays for p in head.catch_ups.values()) > before + 10  # after each verify step
     graphs.generate(PROMPTS[:1], GREEDY, SpecParams("fixed", 2), "early-exit")  # not left to another test
     assert any(layers == 1 for (_, _, layers) in graphs.runner.graphs.graphs)  # early exit's first layer
+
+
+def test_a_greedy_chain_of_equal_lengths_is_one_graph_replay(engines):
+    """The model drafter's chain after its catch-up: rows drafting as many tokens replay one
+    chain graph (k - 1 steps in it) and draft what eager steps draft; rows of different
+    lengths step one graph at a time, as before, with the same drafts."""
+    eager, graphs = engines
+    d_eager, d_graph = eager.drafters["model"], graphs.drafters["model"]
+
+    def chains() -> dict:
+        return {k: g.graph.replays for k, g in d_graph.runner.graphs.graphs.items() if k[1] < 0}
+
+    ids = [eager.tokenizer.encode(p) for p in PROMPTS[:3]]
+    for n, ks in enumerate(([4, 4, 4], [2, 5, 3], [5, 5, 5])):
+        reqs = [DraftRequest(f"chain-{n}-{i}", t, k, GREEDY) for i, (t, k) in enumerate(zip(ids, ks))]
+        before = chains()
+        want, got = d_eager.propose(reqs), d_graph.propose(reqs)
+        assert got.tokens == want.tokens and [len(t) for t in got.tokens] == ks
+        after = chains()
+        replayed = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        # one replay of the chain graph for 3 rows (bucket 4), keyed by its length negated
+        assert replayed == ({(4, -ks[0], None): 1} if len(set(ks)) == 1 else {})
+        for d in (d_eager, d_graph):
+            d.release([r.seq_id for r in reqs])
 
 
 def test_eagle3_catch_up_past_its_graph_rows_runs_eagerly(engines, monkeypatch):

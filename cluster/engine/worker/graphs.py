@@ -81,6 +81,40 @@ class _Graph:
         return pos, kv, ctx
 
 
+class _Chain:
+    """A greedy drafter's chain after its catch-up pass: k - 1 one-token steps in one graph,
+    each feeding the last step's argmax at the next position (lens + step), so the k drafts
+    cost one launch. A small drafter's step is ~50 us of GPU work and its host side (inputs,
+    launch, argmax, a write into the drafts) several times that, each step after the last:
+    the GPU waited on the host. Inputs: `first` ([batch] ids, on the device), table rows and
+    lengths (the cache before `first`); out: [batch, k] drafts, `first` in column 0."""
+
+    def __init__(self, model, kv, batch: int, k: int, capture, pool):
+        from cluster.engine.worker.paged_attention import num_splits
+
+        dev, s = kv.k.device, model.shape
+        self.host = capture.host(2 * batch)
+        self.copied = capture.event()
+        self.inputs = torch.zeros((2 * batch,), dtype=torch.int64, device=dev)
+        self.rows, self.lens = self.inputs[:batch], self.inputs[batch:]
+        self.rows.fill_(kv.scratch_row)
+        self.first = torch.zeros((batch,), dtype=torch.int64, device=dev)
+        splits = num_splits(batch, s.kv_heads, -(-(s.heads // s.kv_heads) // 64), kv.max_tokens)  # as _Graph's width 1
+
+        def body():
+            ids, out = self.first, [self.first]
+            for step in range(k - 1):
+                lens = self.lens + step
+                pos = lens[:, None]
+                ctx = AttnContext(self.rows, lens, torch.ones_like(lens), pos, 1, kv.max_tokens, None, kv.tables)
+                ctx.splits = splits
+                ids = model.logits(model(ids[:, None], pos, kv, ctx), fp32=False)[:, 0].argmax(-1)
+                out.append(ids)
+            return (torch.stack(out, 1),)
+
+        self.graph, (self.out,) = capture.capture(body, pool)
+
+
 class GraphRunner:
     def __init__(self, model, kv, capture, max_width: int, prefill_chunk: int = 0, max_tokens: int = 0,
                  dense_to: int = 0):
@@ -192,6 +226,28 @@ class GraphRunner:
         """A one-token step whose tokens ([B] int64) are already on the device: [B, V] logits
         (a static buffer), with no host round trip (a drafter's chain)."""
         return self.launch(rows, cache_lens, [()] * len(rows), tokens)[:, 0]
+
+    @torch.inference_mode()
+    def chain(self, rows: list[int], cache_lens: list[int], first: torch.Tensor, k: int) -> torch.Tensor:
+        """A greedy chain of k drafts a row from `first` ([B] int64 on the device, fed at each
+        row's cache length): [B, k] (a static buffer), one replay (_Chain)."""
+        bk = bucket(len(rows))
+        key = (bk, -k, None)  # a chain's key: its length, negative, where a pass's has its width
+        g = self.graphs.get(key)
+        if g is None:
+            log.info("capturing CUDA graph for a chain of %d drafts at batch %d", k, bk)
+            g = self.graphs[key] = _Chain(self.model, self.kv, bk, k, self.capture, self.pool)
+        g.copied.synchronize()
+        host = g.host.numpy()
+        host[:bk] = self.kv.scratch_row
+        host[:len(rows)] = rows
+        host[bk:] = 0
+        host[bk:bk + len(rows)] = cache_lens
+        g.inputs.copy_(g.host, non_blocking=True)
+        g.copied.record()
+        g.first[:len(rows)].copy_(first)
+        g.graph.replay()
+        return g.out[:len(rows)]
 
     def _prepare(self, rows, cache_lens, tokens, width: int, num_layers: int | None) -> _Graph:
         """The graph for this step, its inputs copied in (rows' tokens, table rows, lengths)."""

@@ -210,6 +210,14 @@ class Runner:
         h = self.model(tokens[:, None], ctx.positions, self.kv, ctx)
         return self.model.logits(h[:, 0])
 
+    def chain(self, rows: list[int], cache_lens: list[int], first: torch.Tensor, k: int) -> torch.Tensor | None:
+        """A greedy chain of k drafts a row in one CUDA graph (GraphRunner.chain): [B, k]; None
+        where graphs do not serve it (the caller steps with `decode`)."""
+        if self.graphs is None or not self.graphs.eligible(len(rows), 1):
+            return None
+        self.kv.sync()
+        return self.graphs.chain(rows, cache_lens, first, k)
+
     @torch.inference_mode()
     def warm_up(self, mixed: bool = False) -> None:
         """Run every kernel variant a step can need once, before serving: dynamo specialises
