@@ -57,8 +57,17 @@ def single(random_models, tokenizer):
 @pytest.fixture(scope="module")
 def split(random_models, tokenizer):
     """Rank 0 of two, in this process (a process holds one group: other group sizes run in
-    their own processes, tests.engine.tp_rank0)."""
-    e = _engine(random_models, tokenizer, 2)
+    their own processes, tests.engine.tp_rank0). Headers carry 16 payload values inline
+    (sent to the followers at setup), so decode steps' headers go in one broadcast and
+    prefill chunks' in two."""
+    from cluster.engine.distributed import ranks
+
+    inline, ranks.INLINE = ranks.INLINE, 16
+    try:
+        e = _engine(random_models, tokenizer, 2)
+    finally:
+        ranks.INLINE = inline
+    assert e.runner.inline == 16
     yield e
     e.close()
     assert all(not p.is_alive() for p in e.runner.group.procs), "a follower outlived STOP"
@@ -73,6 +82,7 @@ def test_greedy_tokens_match_one_process(single, split, drafter, spec):
     if drafter in ("model", "early-exit"):
         assert sum(r["spec"]["drafted"] for r in got) > 0, "it speculated"
     assert split.kv.held() == (0, 0) and not split.seqs
+    assert split.runner.broadcasts[1] > 0 and split.runner.broadcasts[2] > 0  # inline headers, and longer ones
 
 
 def test_seeded_sampling_matches_one_process(single, split):

@@ -20,12 +20,14 @@ same order; a graph first needed mid-serving is captured by every rank in the sa
 header's `graphs` flag says whether rank 0 runs graphs at all for it (its warm-up passes are
 eager), so that no rank replays while another runs eagerly.
 
-The first header after start is the KV geometry, cache dtype and graph sizes (`SETUP`). With
-an fp8 cache a CALIBRATE header (its payload: the calibration tokens) follows: every rank runs
-the calibration pass on its heads and the ranks agree on the scales (cluster.engine.worker.fp8),
-once, before any FORWARD. STOP ends the followers. A dead rank makes rank 0's next header
-broadcast or collective fail (cluster.engine.distributed.parallel): rank 0 raises RankFailure and
-the replica goes down, rather than serving from a broken group.
+A header is one broadcast of a fixed size (meta, then a short payload inline: a small batch's
+pass); a longer payload follows in a second (`send_header`). The first header after start is
+the KV geometry, cache dtype and graph sizes (`SETUP`). With an fp8 cache a CALIBRATE header
+(its payload: the calibration tokens) follows: every rank runs the calibration pass on its
+heads and the ranks agree on the scales (cluster.engine.worker.fp8), once, before any FORWARD.
+STOP ends the followers. A dead rank makes rank 0's next header broadcast or collective fail
+(cluster.engine.distributed.parallel): rank 0 raises RankFailure and the replica goes down,
+rather than serving from a broken group.
 """
 
 from __future__ import annotations
@@ -52,8 +54,13 @@ META = 11     # op, rows B, tokens N (all rows, unpadded), table updates U, last
 #               KV slot moves M, graphs (0: an eager pass on every rank), carried rows K (a launch ahead, below),
 #               carried draft columns G (a verify pass whose drafts are still on rank 0's device)
 #               (CALIBRATE: op, tokens, 0...; CAPTURE: op, max batch, 0...)
-SETUP = 8     # blocks, block_size, max_rows, max_tokens, fp8 cache (0 / 1), graph width (0: no graphs),
-#               prefill chunk, graph prefill tokens
+SETUP = 9     # blocks, block_size, max_rows, max_tokens, fp8 cache (0 / 1), graph width (0: no graphs),
+#               prefill chunk, graph prefill tokens, header payload inline (INLINE)
+# A header goes as one fixed-size broadcast, meta then up to INLINE payload values (a batch-1
+# verify pass's: about ten); a longer payload follows in a second. Each broadcast is a host
+# round trip over gloo on rank 0's critical path (two a pass took 0.35-0.5 ms at TP 4, H100).
+# Rank 0's value, sent in SETUP.
+INLINE = 256
 STEP_TIMEOUT_S = 120.0
 DEATH_WAIT_S = 2.0  # after a failed collective, how long rank 0 looks for the follower that died
 
@@ -88,6 +95,29 @@ def payload_len(meta: list[int]) -> int:
         return meta[1]
     _, b, num_tokens, num_updates, _, _, num_tree, num_moves, _, _, _ = meta
     return 3 * b + num_tokens + num_tree + 2 * num_moves + 3 * num_updates
+
+
+def send_header(group: Group, inline: int, meta: list[int] | torch.Tensor, payload: torch.Tensor | None = None) -> int:
+    """Rank 0: one header (meta, payload) to every follower (receive_header); the broadcasts it took."""
+    n = 0 if payload is None else payload.numel()
+    first = torch.zeros(META + inline, dtype=torch.int64)
+    first[:META] = torch.as_tensor(meta, dtype=torch.int64)
+    if 0 < n <= inline:
+        first[META:META + n] = payload
+    group.broadcast_header(first)
+    if n > inline:
+        group.broadcast_header(payload)
+    return 1 + (n > inline)
+
+
+def receive_header(group: Group, inline: int) -> tuple[list[int], torch.Tensor]:
+    """A follower: the next header rank 0 sent (send_header), as (meta, payload)."""
+    first = group.broadcast_header(torch.empty(META + inline, dtype=torch.int64))
+    meta = first[:META].tolist()
+    n = payload_len(meta) if meta[0] in (FORWARD, CALIBRATE) else 0
+    if n <= inline:
+        return meta, first[META:META + n]
+    return meta, group.broadcast_header(torch.empty(n, dtype=torch.int64))
 
 
 def decode_trees(section: list[int], b: int) -> list[list[int] | None]:
@@ -144,15 +174,20 @@ class ParallelRunner(Runner):
             self.ahead = DecodePipeline(AnnouncedGraphs(self))
         kv.moved = []  # tree paths' KV copies, for the followers (encode)
         width = graph_width if self.graphs is not None else 0  # the followers capture as this rank does
+        self.inline = INLINE
+        self.broadcasts = {1: 0, 2: 0}  # headers by the broadcasts each took
         with self._failures():
             group.broadcast_header(torch.tensor([kv.scratch_block, kv.block_size, kv.max_rows, kv.max_tokens,
-                                                 int(kv.k.dtype == fp8.FP8), width, prefill_chunk, graph_tokens]))
+                                                 int(kv.k.dtype == fp8.FP8), width, prefill_chunk, graph_tokens,
+                                                 self.inline]))
+
+    def _send(self, meta, payload=None) -> None:
+        self.broadcasts[send_header(self.group, self.inline, meta, payload)] += 1
 
     def calibrate(self, token_ids: list[int]) -> None:
         """As Runner.calibrate, on every rank: each gets the same scales (cluster.engine.worker.fp8)."""
         with self._failures():
-            self.group.broadcast_header(torch.tensor([CALIBRATE, len(token_ids)] + [0] * (META - 2)))
-            self.group.broadcast_header(torch.tensor(token_ids, dtype=torch.int64))
+            self._send([CALIBRATE, len(token_ids)] + [0] * (META - 2), torch.tensor(token_ids, dtype=torch.int64))
             super().calibrate(token_ids)
 
     @torch.inference_mode()
@@ -176,15 +211,14 @@ class ParallelRunner(Runner):
         meta, payload = encode(updates, rows, cache_lens, tokens, last_only, num_layers, trees, self.kv.moved,
                                graphs, carried, drafts)
         self.kv.moved.clear()
-        self.group.broadcast_header(meta)
-        self.group.broadcast_header(payload)
+        self._send(meta, payload)
         if updates.shape[1]:
             self.kv.apply_updates(updates)
 
     def capture_graphs(self, max_batch: int) -> None:
         """Every rank captures the same graphs in the same order (their collectives pair up)."""
         with self._failures():
-            self.group.broadcast_header(torch.tensor([CAPTURE, max_batch] + [0] * (META - 2)))
+            self._send([CAPTURE, max_batch] + [0] * (META - 2))
             super().capture_graphs(max_batch)
 
     def forward_mixed(self, verify, prefill, trees=None):
@@ -200,7 +234,7 @@ class ParallelRunner(Runner):
         stopped = False
         try:
             if all(p.is_alive() for p in self.group.procs):
-                self.group.broadcast_header(torch.tensor([STOP] + [0] * (META - 1)))
+                self._send([STOP] + [0] * (META - 1))
                 stopped = True
         except (RuntimeError, dist.DistError):
             pass
@@ -313,7 +347,7 @@ def follow(rank: int, size: int, port: int, target: str, cfg, step_timeout_s: fl
         model = load_model(target, getattr(torch, cfg.dtype), group.device, group)  # float32, bfloat16, ...
         s = model.shape
         setup = group.broadcast_header(torch.zeros(SETUP, dtype=torch.int64)).tolist()
-        blocks, block_size, max_rows, max_tokens, is_fp8, graph_width, prefill_chunk, graph_tokens = setup
+        blocks, block_size, max_rows, max_tokens, is_fp8, graph_width, prefill_chunk, graph_tokens, inline = setup
         dtype = fp8.FP8 if is_fp8 else next(model.parameters()).dtype
         kv = KVCache(s.layers, blocks, block_size, s.kv_heads, s.head_dim, dtype, group.device,
                      max_rows, max_tokens, prefix_caching=False)
@@ -321,16 +355,14 @@ def follow(rank: int, size: int, port: int, target: str, cfg, step_timeout_s: fl
         stand_in = eager_on_cpu() if graph_width and group.device.type == "cpu" else nullcontext()
         with stand_in:
             runner = Runner(model, kv, cfg.attention, graph_width, prefill_chunk, graph_tokens)
-        meta = torch.zeros(META, dtype=torch.int64)
         with torch.inference_mode():
             while True:
-                m = group.broadcast_header(meta).tolist()
+                m, payload = receive_header(group, inline)
                 if m[0] == STOP:
                     break
                 if m[0] == CAPTURE:
                     runner.graphs.capture_all(m[1])
                     continue
-                payload = group.broadcast_header(torch.empty(payload_len(m), dtype=torch.int64))
                 if m[0] == CALIBRATE:
                     runner.calibrate(payload.tolist())
                 else:
