@@ -12,7 +12,10 @@ Issue 39's comparison, a drafter on its own GPU against the same drafter on rank
 against plain on the same deployment:
 
     TP=2 PLACEMENT=colocated,disaggregated DRAFT=demo-8b-draft-1b GAMMA=4 PLAIN=1 LEVELS=1,8 \
-        MAX_SEQS=16 MAX_LEN=2048 BUNDLE=.device-bundle-serve bash scripts/gpu_py.sh gpu_tp_served.py
+        MAX_SEQS=8 MAX_LEN=2048 BUNDLE=.device-bundle-multi bash scripts/gpu_py.sh gpu_tp_served.py
+
+(On H100s TP 2 at the 70B shape fits with 2 GiB of KV a rank and batch buckets up to 8, the
+defaults here at TP 2; the colocated 1B-shaped drafter adds 2.5 GB and its own KV on rank 0.)
 
 On the GPU the target is demo-70b-target (the demo target in Llama-3.1-70B dimensions) over TP
 ranks and DRAFT (default demo-8b-draft; demo-8b-draft-1b drafts the same tokens at a 1B's step
@@ -50,7 +53,9 @@ def config(a, placement: str) -> dict:
     cfg["models"].update(target="demo-70b-target" if gpu else "demo-target", draft=a.draft if gpu else "demo-draft",
                          device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "float32",
                          attention="auto" if gpu else "sdpa")
-    cfg["engine"].update(tensor_parallel_size=a.tp, kv_cache_gb={2: 4, 4: 16}.get(a.tp, 32) if gpu else 0.25,
+    # TP 2 holds 70.6 GB of weights a rank: 2 GiB of KV and few batch buckets fit an H100 (benchmarks/gpu/tp/h100_tp2)
+    kv_gb = a.kv_gb or {2: 2, 4: 16}.get(a.tp, 32)
+    cfg["engine"].update(tensor_parallel_size=a.tp, kv_cache_gb=kv_gb if gpu else 0.25,
                          max_num_seqs=a.max_seqs, max_model_len=a.max_len, max_waiting=256)
     cfg["placement"] = placement
     cfg["verifier"]["ray_actor_options"] = {"num_gpus": 1, "num_cpus": 4} if gpu else {"num_cpus": 1}
@@ -139,6 +144,8 @@ def main() -> int:
                    help="also run each level's prompts without speculation: plain tokens/s and greedy equality")
     p.add_argument("--max-seqs", type=int, default=int(os.environ.get("MAX_SEQS", "64")))
     p.add_argument("--max-len", type=int, default=int(os.environ.get("MAX_LEN", "4096")))
+    p.add_argument("--kv-gb", type=float, default=float(os.environ.get("KV_GB", "0")),
+                   help="KV pool a rank (GiB); 0: 2 at TP 2, 16 at TP 4, 32 at TP 8")
     p.add_argument("--cpu-smoke", action="store_true")
     a = p.parse_args()
     if a.cpu_smoke:
@@ -153,7 +160,8 @@ def main() -> int:
             + ("_placements" if len(placements) > 1 else "") + ("_cpu_smoke" if a.cpu_smoke else ""))
     R: dict = {"label": ("CPU smoke (orchestration, NOT a speed): " if a.cpu_smoke else "") + f"served TP {a.tp}",
                "command": " ".join(["python3", "scripts/gpu_tp_served.py", *sys.argv[1:]]),
-               "env": {k: os.environ[k] for k in ("TP", "LEVELS", "PLACEMENT", "DRAFT", "GAMMA", "PLAIN") if k in os.environ},
+               "env": {k: os.environ[k] for k in ("TP", "LEVELS", "PLACEMENT", "DRAFT", "GAMMA", "PLAIN", "KV_GB", "MAX_SEQS")
+                       if k in os.environ},
                "draft": a.draft, "gamma": a.gamma, "runs": {}}
     out = Path(a.out, name + ".json")
     out.parent.mkdir(parents=True, exist_ok=True)
