@@ -14,8 +14,9 @@ against plain on the same deployment:
     TP=2 PLACEMENT=colocated,disaggregated DRAFT=demo-8b-draft-1b GAMMA=4 PLAIN=1 LEVELS=1,8 \
         MAX_SEQS=8 MAX_LEN=2048 BUNDLE=.device-bundle-multi bash scripts/gpu_py.sh gpu_tp_served.py
 
-(On H100s TP 2 at the 70B shape fits with 2 GiB of KV a rank and batch buckets up to 8, the
-defaults here at TP 2; the colocated 1B-shaped drafter adds 2.5 GB and its own KV on rank 0.)
+(On H100s TP 2 at the 70B shape fits with 2 GiB of KV a rank, the default here at TP 2, and
+batch buckets up to 8, MAX_SEQS=8; the colocated 1B-shaped drafter adds 2.5 GB and its own KV
+on rank 0.)
 
 On the GPU the target is demo-70b-target (the demo target in Llama-3.1-70B dimensions) over TP
 ranks and DRAFT (default demo-8b-draft; demo-8b-draft-1b drafts the same tokens at a 1B's step
