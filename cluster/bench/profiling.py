@@ -61,6 +61,25 @@ def gaps(kernels: list[tuple[float, float, str]], steps: int, top: int, min_us: 
             "largest": {k: {"count": c / steps, "us": us / steps} for k, (c, us) in ranked[:top]}}
 
 
+def launch_lead(launches: list[tuple[float, float]], kernels: list[tuple[float, float, str]]) -> dict:
+    """Whether the GPU starts a graph while its launch call still runs: per cudaGraphLaunch, the
+    call's duration and how long after the call began the first kernel at or after that time
+    started (medians; kernels sorted by start). A lead under the duration: the GPU began before
+    the host finished launching, so splitting a graph would not start it sooner."""
+    import bisect
+
+    starts = [k[0] for k in kernels]
+    call, lead = [], []
+    for s, e in launches:
+        i = bisect.bisect_left(starts, s)
+        if i < len(starts):
+            call.append(e - s)
+            lead.append(starts[i] - s)
+    if not call:
+        return {}
+    return {"count": len(call), "call_us": statistics.median(call), "first_kernel_after_us": statistics.median(lead)}
+
+
 def step_profile(fn, steps: int = 10, top: int = 12) -> dict:
     """`fn` run `steps` times: wall per step, then under the profiler its kernels per step (by
     category, count and microseconds), the GPU's busy time (their union) and the host calls
@@ -83,11 +102,13 @@ def step_profile(fn, steps: int = 10, top: int = 12) -> dict:
         for _ in range(steps):
             fn()
         sync()
-    kernels, host = [], defaultdict(lambda: [0, 0.0])
+    kernels, host, launches = [], defaultdict(lambda: [0, 0.0]), []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             kernels.append((e.time_range.start, e.time_range.end, e.name))
         else:
+            if "cudaGraphLaunch" in e.name:
+                launches.append((e.time_range.start, e.time_range.end))
             for word in HOST_CALLS:
                 if word.lower() in e.name.lower():
                     host[word][0] += 1
@@ -101,6 +122,7 @@ def step_profile(fn, steps: int = 10, top: int = 12) -> dict:
     per = lambda d: {k: {"count": c / steps, "us": us / steps} for k, (c, us) in  # noqa: E731
                      sorted(d.items(), key=lambda kv: -kv[1][1])}
     out_gaps = gaps(kernels, steps, top)
+    out_gaps["graph_launches"] = launch_lead(launches, kernels)
     reduces = [e - s for s, e, name in kernels if category(name) == "all_reduce"]
     out = {"steps": steps, "wall_us": 1e6 * wall,
            "profiled_span_us": (kernels[-1][1] - kernels[0][0]) / steps if kernels else 0.0,

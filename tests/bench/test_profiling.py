@@ -3,7 +3,7 @@ intervals, and idle gaps grouped by the kernels on either side."""
 
 import torch
 
-from cluster.bench.profiling import _busy, category, gaps, step_profile
+from cluster.bench.profiling import _busy, category, gaps, launch_lead, step_profile
 
 
 def test_busy_time_counts_overlapping_kernels_once():
@@ -34,3 +34,11 @@ def test_a_cpu_step_profile_reports_host_calls_and_no_kernels():
     p = step_profile(lambda: calls.append(torch.ones(4).sum()), steps=3)
     assert len(calls) == 3 + 3 + 3  # warm-up, timed, profiled
     assert p["steps"] == 3 and p["kernel_us"] == 0.0 and p["gaps"]["idle_us"] == 0
+
+
+def test_launch_lead_tells_whether_the_gpu_starts_before_the_launch_returns():
+    kernels = [(40, 500, "layer 0"), (510, 900, "layer 1"), (1300, 1400, "argmax")]
+    # a 100 us launch whose first kernel began 40 us in; another whose began 100 us after its end
+    assert launch_lead([(0, 100), (1000, 1200)], kernels) == {"count": 2, "call_us": 150.0,
+                                                              "first_kernel_after_us": 170.0}
+    assert launch_lead([(2000, 2100)], kernels) == {}  # no kernel after it
