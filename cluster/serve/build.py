@@ -115,7 +115,7 @@ def build_model_drafter(cfg: ClusterConfig) -> ModelDrafter:
     # comes out of the verifier's pool.
     return ModelDrafter(model, num_slots=draft_slots(ec), max_len=min(ec.max_model_len, DRAFT_MAX_LEN),
                         look_ahead="auto" if ec.draft_look_ahead else None,
-                        own_stream=ec.draft_stream)
+                        own_stream=ec.draft_stream, max_draft=ec.gamma_max + 1)
 
 
 def build_engine(cfg: ClusterConfig, remote: Drafter | dict[str, Drafter] | None = None,

@@ -34,6 +34,9 @@ CATCHUP_TOKENS = 8192  # longer rows (new sequences, a return from plain decodin
 # at each row's last token): eagerly, a new prompt's Python costs more than a draft step.
 CHUNK = 512
 BLOCK = 16  # tokens per block of the drafter's own cache
+# Greedy chains of up to this many rows replay one graph (GraphRunner.chain); wider batches step
+# graph by graph, their launches shared by many rows
+CHAIN_ROWS = 16
 
 
 @dataclass
@@ -75,7 +78,9 @@ class ModelDrafter(Drafter):
     name = "model"
 
     def __init__(self, model: CausalLM, num_slots: int = 64, max_len: int = 2048, *, look_ahead: str | None = "auto",
-                 own_stream: bool = True):
+                 own_stream: bool = True, max_draft: int = 0):
+        """max_draft: the longest chain warm_up captures a graph for (a look-ahead drafts gamma_max
+        + 1); longer ones, and every chain where it is 0, are captured on first use."""
         s = model.shape
         p = next(model.parameters())
         # Its own stream on a GPU: a draft launched while the target verifies runs beside it
@@ -92,11 +97,13 @@ class ModelDrafter(Drafter):
         # width up to CATCHUP, then 1.5x steps to CHUNK): a small model's step is launches, not math
         self.runner = Runner(model, self.kv, graph_width=1, prefill_chunk=CHUNK,
                              max_tokens=CATCHUP_TOKENS, dense_to=CATCHUP)
-        self.max_len = max_len
+        self.max_len, self.num_slots, self.max_draft = max_len, num_slots, max_draft
         self.state: OrderedDict[str, tuple[KVHandle, _Held]] = OrderedDict()  # seq_id -> (KV, cached tokens)
 
     def warm_up(self) -> None:
         self.runner.warm_up()
+        if self.runner.graphs is not None and self.max_draft > 1:
+            self.runner.graphs.capture_chains(min(CHAIN_ROWS, self.num_slots), self.max_draft)
 
     def release(self, seq_ids: list[str]) -> None:
         for sid in seq_ids:
@@ -225,7 +232,7 @@ class ModelDrafter(Drafter):
         microseconds, which a host round trip per step (argmax to the host, tokens back)
         would double."""
         ks = [r.k for r in reqs]
-        if len(set(ks)) == 1 and ks[0] > 1:  # every row as long: one graph replay for the chain
+        if len(set(ks)) == 1 and ks[0] > 1 and len(reqs) <= CHAIN_ROWS:  # one graph replay for the chain
             out = self.runner.chain(kv_rows, lens, logits.argmax(-1), ks[0])
             if out is not None:
                 for b in range(len(reqs)):

@@ -164,6 +164,23 @@ class GraphRunner:
         log.info("captured %d CUDA graphs (batch up to %d) in %.1f s", len(self.graphs) - before, max_batch,
                  time.perf_counter() - t0)
 
+    @torch.inference_mode()
+    def capture_chains(self, max_batch: int, max_k: int) -> None:
+        """Every chain graph (`chain`) of 2..max_k drafts for batches up to max_batch, before
+        serving, as capture_all does for passes."""
+        t0, before = time.perf_counter(), len(self.graphs)
+        for bk in BUCKETS[:BUCKETS.index(bucket(min(max_batch, BUCKETS[-1]))) + 1]:
+            for k in range(2, max_k + 1):
+                if (bk, -k, None) not in self.graphs:
+                    self._chain(bk, k)
+        log.info("captured %d chain graphs (batch up to %d, up to %d drafts) in %.1f s", len(self.graphs) - before,
+                 max_batch, max_k, time.perf_counter() - t0)
+
+    def _chain(self, batch: int, k: int) -> "_Chain":
+        # a chain's key: its length, negative, where a pass's has its width
+        g = self.graphs[(batch, -k, None)] = _Chain(self.model, self.kv, batch, k, self.capture, self.pool)
+        return g
+
     def _capture(self, batch: int, width: int, num_layers: int | None) -> _Graph:
         logits = self._logits(batch, width) if width <= self.max_width else None
         return _Graph(self.model, self.kv, batch, width, self.capture, self.pool, num_layers, logits, self.aux)
@@ -232,11 +249,10 @@ class GraphRunner:
         """A greedy chain of k drafts a row from `first` ([B] int64 on the device, fed at each
         row's cache length): [B, k] (a static buffer), one replay (_Chain)."""
         bk = bucket(len(rows))
-        key = (bk, -k, None)  # a chain's key: its length, negative, where a pass's has its width
-        g = self.graphs.get(key)
+        g = self.graphs.get((bk, -k, None))
         if g is None:
             log.info("capturing CUDA graph for a chain of %d drafts at batch %d", k, bk)
-            g = self.graphs[key] = _Chain(self.model, self.kv, bk, k, self.capture, self.pool)
+            g = self._chain(bk, k)
         g.copied.synchronize()
         host = g.host.numpy()
         host[:bk] = self.kv.scratch_row
