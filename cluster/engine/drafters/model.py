@@ -235,8 +235,6 @@ class ModelDrafter(Drafter):
         if len(set(ks)) == 1 and ks[0] > 1 and len(reqs) <= CHAIN_ROWS:  # one graph replay for the chain
             out = self.runner.chain(kv_rows, lens, logits.argmax(-1), ks[0])
             if out is not None:
-                for b in range(len(reqs)):
-                    lens[b] += ks[0] - 1
                 return out.clone()  # the graph's buffer: the next chain replays into it
         out = torch.full((len(reqs), max(ks)), -1, dtype=torch.int64, device=logits.device)
         out[:, 0] = logits.argmax(-1)

@@ -93,7 +93,7 @@ class _Chain:
         from cluster.engine.worker.paged_attention import num_splits
 
         dev, s = kv.k.device, model.shape
-        self.host = capture.host(2 * batch)
+        self.host = capture.host(2 * batch)  # as _Graph's, without ids: table rows, then lengths
         self.copied = capture.event()
         self.inputs = torch.zeros((2 * batch,), dtype=torch.int64, device=dev)
         self.rows, self.lens = self.inputs[:batch], self.inputs[batch:]
@@ -254,11 +254,7 @@ class GraphRunner:
             log.info("capturing CUDA graph for a chain of %d drafts at batch %d", k, bk)
             g = self._chain(bk, k)
         g.copied.synchronize()
-        host = g.host.numpy()
-        host[:bk] = self.kv.scratch_row
-        host[:len(rows)] = rows
-        host[bk:] = 0
-        host[bk:bk + len(rows)] = cache_lens
+        fill_inputs(g.host.numpy(), [()] * len(rows), rows, cache_lens, 0, bk, self.kv.scratch_row)  # no ids
         g.inputs.copy_(g.host, non_blocking=True)
         g.copied.record()
         g.first[:len(rows)].copy_(first)
