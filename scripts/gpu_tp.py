@@ -13,7 +13,9 @@ PARTS (--parts / PARTS, comma-separated, default all):
   rank 0's own parameter bytes);
 - verify: one gamma-4 verify pass (5 tokens) over a decode step, at 512 tokens of context;
 - spec: the draft model at a few gammas: speedup over plain and the ideal
-  E[N] * t_decode / (t_decode + gamma * t_draft) (gpu_bench.py's formula); EAGLE-3 runs under
+  E[N] * t_decode / (t_decode + gamma * t_draft) (gpu_bench.py's formula), and the step's time
+  against its passes back to back (`passes_over_step`: the gamma + 1 verify pass and gamma
+  drafts over the step's wall time; under 1 by the host's share); EAGLE-3 runs under
   tensor parallelism, but no head is embedded at the 70B shape yet, so it is recorded as not run;
 - sweep: c requests in flight over max(2c, 8), plain / fixed gamma 4 / goodput controller per
   level (gpu_scale.py's method), with gpu_scale's roofline at per-rank bytes on a GPU;
@@ -111,10 +113,10 @@ def batch1(engine, a, R: dict) -> None:
     log("batch 1 plain:", R["batch1"])
 
 
-def context_steps(engine, a):
-    """A row of a.ctx tokens and calls that time one decode step and one gamma-4 verify pass after it."""
+def context_steps(engine, a, widths=(1, 5)):
+    """A row of a.ctx tokens and calls that time one step of each width after it (1: decode, 5: a gamma-4 verify)."""
     ids = engine.tokenizer.encode(a.prompts[1])
-    return step_calls(engine, (ids * (a.ctx // max(len(ids), 1) + 1))[: a.ctx], (1, 5))
+    return step_calls(engine, (ids * (a.ctx // max(len(ids), 1) + 1))[: a.ctx], widths)
 
 
 def verify(engine, a, R: dict) -> None:
@@ -158,12 +160,19 @@ def spec(engine, a, R: dict) -> None:
     drafter = engine.drafters["model"]
     out = R["spec"] = {"drafter": a.draft, "by_gamma": {},
                        "eagle3": "not run: no EAGLE-3 head embedded at the 70B shape yet"}
+    slot, step = context_steps(engine, a, [g + 1 for g in a.gammas])
+    t_verify = {g: timed(step[g + 1], a.iters) for g in a.gammas}  # the verify pass alone, at a.ctx
+    engine.kv.close(slot)
     for g in a.gammas:
         decode_rate(engine, one, SpecParams("fixed", g), "model", new=a.warm)
         s = decode_rate(engine, one, SpecParams("fixed", g), "model", new=a.new)
         t_draft = draft_time(drafter, engine.tokenizer.encode(a.prompts[2]), g, a.iters)
+        # how close a step came to its passes run back to back: the verify pass and g drafts
+        # (the ideal above prices the verify pass as a decode step)
+        step_ms = 1e3 * s["mean_accepted_len"] / s["tokens_per_s"]
         out["by_gamma"][g] = {**spec_point(engine, one[0], s, plain, t_dec, g * t_draft),
-                              "draft_ms_per_token": 1e3 * t_draft}
+                              "draft_ms_per_token": 1e3 * t_draft, "verify_ms": 1e3 * t_verify[g], "step_ms": step_ms,
+                              "passes_over_step": 1e3 * (t_verify[g] + g * t_draft) / step_ms}
         log(f"draft model g{g}:", out["by_gamma"][g])
     best = max(out["by_gamma"], key=lambda g: out["by_gamma"][g]["tokens_per_s"])
     out["best_gamma"], out["best"] = best, out["by_gamma"][best]
