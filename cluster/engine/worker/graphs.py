@@ -70,15 +70,20 @@ class _Graph:
         self.graph, (self.hidden, self.out) = capture.capture(body, pool)
 
     def _ctx(self, model, kv, width: int):
-        from cluster.engine.worker.paged_attention import num_splits
+        return step_context(model, kv, self.rows, self.lens, width)
 
-        pos = self.lens[:, None] + torch.arange(width, device=self.ids.device)
-        b, s = self.ids.shape[0], model.shape
-        ctx = AttnContext(self.rows, self.lens, torch.full_like(self.lens, width), pos, width, kv.max_tokens,
-                          None, kv.tables)
-        if width <= 16:  # the context's length is not known at capture: split for the longest
-            ctx.splits = num_splits(b, s.kv_heads, -(-width * (s.heads // s.kv_heads) // 64), kv.max_tokens)
-        return pos, kv, ctx
+
+def step_context(model, kv, rows: torch.Tensor, lens: torch.Tensor, width: int):
+    """(positions, kv, AttnContext) of a captured step of `width` tokens a row after `lens`
+    cached ones, from device tensors only (a graph replays it with new values in them)."""
+    from cluster.engine.worker.paged_attention import num_splits
+
+    pos = lens[:, None] + torch.arange(width, device=lens.device)
+    s = model.shape
+    ctx = AttnContext(rows, lens, torch.full_like(lens, width), pos, width, kv.max_tokens, None, kv.tables)
+    if width <= 16:  # the context's length is not known at capture: split for the longest
+        ctx.splits = num_splits(rows.shape[0], s.kv_heads, -(-width * (s.heads // s.kv_heads) // 64), kv.max_tokens)
+    return pos, kv, ctx
 
 
 class _Chain:
@@ -90,25 +95,19 @@ class _Chain:
     lengths (the cache before `first`); out: [batch, k] drafts, `first` in column 0."""
 
     def __init__(self, model, kv, batch: int, k: int, capture, pool):
-        from cluster.engine.worker.paged_attention import num_splits
-
-        dev, s = kv.k.device, model.shape
+        dev = kv.k.device
         self.host = capture.host(2 * batch)  # as _Graph's, without ids: table rows, then lengths
         self.copied = capture.event()
         self.inputs = torch.zeros((2 * batch,), dtype=torch.int64, device=dev)
         self.rows, self.lens = self.inputs[:batch], self.inputs[batch:]
         self.rows.fill_(kv.scratch_row)
         self.first = torch.zeros((batch,), dtype=torch.int64, device=dev)
-        splits = num_splits(batch, s.kv_heads, -(-(s.heads // s.kv_heads) // 64), kv.max_tokens)  # as _Graph's width 1
 
         def body():
             ids, out = self.first, [self.first]
-            for step in range(k - 1):
-                lens = self.lens + step
-                pos = lens[:, None]
-                ctx = AttnContext(self.rows, lens, torch.ones_like(lens), pos, 1, kv.max_tokens, None, kv.tables)
-                ctx.splits = splits
-                ids = model.logits(model(ids[:, None], pos, kv, ctx), fp32=False)[:, 0].argmax(-1)
+            for step in range(k - 1):  # each step a one-token pass as a _Graph of width 1 runs it
+                h = model(ids[:, None], *step_context(model, kv, self.rows, self.lens + step, 1))
+                ids = model.logits(h, fp32=False)[:, 0].argmax(-1)
                 out.append(ids)
             return (torch.stack(out, 1),)
 
