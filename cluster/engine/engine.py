@@ -30,6 +30,7 @@ from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.engine.scheduling.scheduler import Scheduler
 from cluster.engine.scheduling.sequence import RequestOutput, Sequence, SpecParams
 from cluster.engine.spec.acceptance import Accepted, accept
+from cluster.engine.spec.ahead import SpecPipeline
 from cluster.engine.spec.aux_hidden import accepted_rows, keep_aux
 from cluster.engine.spec.drafting import DraftPlanner
 from cluster.engine.stopping import Detokenizer
@@ -59,8 +60,8 @@ class Engine:
         if cfg.compile and p.device.type == "cuda":
             compile_kernels(cfg.compile_cache_dir)
         # positions a row can address: spare ones past max_model_len take the padded writes of
-        # a step's short rows (cluster.engine.scheduling.kv_cache), and one more a step launched ahead
-        max_tokens = self.max_model_len + max(cfg.prefill_chunk, cfg.gamma_max + 1) + 1
+        # a step's short rows (cluster.engine.scheduling.kv_cache), and those of steps launched ahead
+        max_tokens = self.max_model_len + max(cfg.prefill_chunk, 2 * cfg.gamma_max + 2) + 1
         kv_dtype = fp8.FP8 if cfg.kv_cache_dtype == "fp8" else p.dtype
         blocks = num_kv_blocks(model, cfg, kv_dtype, max_tokens)
         need = -(-max_tokens // cfg.block_size)
@@ -84,6 +85,12 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.kv, mixed=cfg.mixed_prefill and self.runner.can_mix)
         self.drafters, self.default_drafter = drafters or {}, default_drafter
         self.planner = DraftPlanner(self.drafters, default_drafter)
+        # greedy speculative steps launched ahead, with the drafters that can draft for them
+        ahead = {n: d for n, d in self.drafters.items() if getattr(getattr(d, "runner", None), "graphs", None) is not None
+                 and hasattr(d, "launch_ahead")} if cfg.spec_ahead and self.pipeline is not None else {}
+        g = self.pipeline.graphs if ahead else None
+        self.spec_ahead = SpecPipeline(g, ahead, g.capture, g.max_batch, cfg.gamma_max + 1) if ahead else None
+        self.scheduler.ahead_room = 2 * cfg.gamma_max + 2 if ahead else 0
         self.startup["memory_s"] = time.perf_counter() - t_start  # the KV pool, sized by a pass (compiles)
         if p.device.type == "cuda" or self.runner.graphs is not None:  # compiled pieces, GEMV tuning and graphs now
             self.runner.warm_up(mixed=self.scheduler.mixed)
@@ -230,7 +237,11 @@ class Engine:
         """Draft, one target pass, acceptance: over verify rows, and over prompt chunks in the
         same pass where the scheduler mixed them in (eager: no CUDA graph covers a mixed pass).
         Plain rows on CUDA graphs run a step ahead instead (cluster.engine.worker.pipeline)."""
+        if not chunks and (ahead := self._verify_ahead(rows)) is not None:
+            return ahead
         seqs = [s for s, _ in rows]
+        if self.spec_ahead is not None:
+            self.spec_ahead.interrupt(seqs)
         graphs = self._graphs_captured()
         t0 = time.perf_counter()
         # drafts left on the device (launched) feed the verify pass there: one wait for both
@@ -277,6 +288,29 @@ class Engine:
         obs.prefill_tokens = num_prefill
         obs.captured = self._graphs_captured() != graphs
         return accepted + first, obs
+
+    def _verify_ahead(self, rows: list[tuple[Sequence, int]]) -> tuple[list[Sequence], StepObservation] | None:
+        """A greedy speculative step launched ahead (cluster.engine.spec.ahead) where all of
+        `rows` can take one; None: the step runs the usual way."""
+        seqs, gammas = [s for s, _ in rows], [g for _, g in rows]
+        names = {s.drafter or self.default_drafter for s in seqs}
+        name = names.pop() if len(names) == 1 else None
+        if (self.spec_ahead is None or name not in self.spec_ahead.drafters or not max(gammas)
+                or not all(s.params.greedy for s in seqs) or not self.runner.graphs.eligible(len(seqs), max(gammas) + 1)
+                or not self._pipelined(seqs)):
+            return None
+        t0, graphs = time.perf_counter(), self._graphs_captured()
+        self.planner.ahead.pop(name, None)  # a look-ahead's guess: these drafts are made on the device
+        self.pipeline.interrupt()
+        run, out, num_draft = self.spec_ahead.step(seqs, gammas, name)
+        if not run:
+            return None
+        accepted = self._accept(run, out, num_draft)
+        t1 = time.perf_counter()
+        self.totals["verify_s"] += t1 - t0
+        obs = observation(len(run), sum(num_draft) + len(run), t1 - t0, 0.0, num_draft, [len(o) - 1 for o in out])
+        obs.captured = self._graphs_captured() != graphs
+        return accepted, obs
 
     def _verified(self, seqs: list[Sequence], drafts: DraftOutput, logits, hidden, aux) -> tuple[list, list]:
         """Acceptance after a verify pass over [last token] + drafts rows: (sequences, their new tokens)."""

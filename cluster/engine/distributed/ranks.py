@@ -50,9 +50,10 @@ from cluster.engine.worker.runner import Runner
 
 log = logging.getLogger(__name__)
 STOP, FORWARD, CALIBRATE, CAPTURE = 0, 1, 2, 3
-META = 11     # op, rows B, tokens N (all rows, unpadded), table updates U, last_only, layers, tree section length (0: chains),
+META = 12     # op, rows B, tokens N (all rows, unpadded), table updates U, last_only, layers, tree section length (0: chains),
 #               KV slot moves M, graphs (0: an eager pass on every rank), carried rows K (a launch ahead, below),
-#               carried draft columns G (a verify pass whose drafts are still on rank 0's device)
+#               carried draft columns G (a verify pass whose drafts are still on rank 0's device),
+#               on device (1: every row's tokens and cache length are, a speculative step launched ahead)
 #               (CALIBRATE: op, tokens, 0...; CAPTURE: op, max batch, 0...)
 SETUP = 9     # blocks, block_size, max_rows, max_tokens, fp8 cache (0 / 1), graph width (0: no graphs),
 #               prefill chunk, graph prefill tokens, header payload inline (INLINE)
@@ -68,14 +69,16 @@ DEATH_WAIT_S = 2.0  # after a failed collective, how long rank 0 looks for the f
 def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens: list[list[int]],
            last_only: bool, num_layers: int | None, trees: list[list[int] | None] | None = None,
            moves: list[tuple[int, int]] = (), graphs: bool = False, carried: int = 0,
-           drafts: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+           drafts: int = 0, on_device: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The header of one pass: (meta [META], payload), host int64. Draft trees travel as each
     row's node count + 1 (0: a chain) then the tree rows' parents; `moves`: rank 0's KV slot
     copies since the last pass (accepted tree paths), which every follower repeats on its
     heads before this pass. `carried` > 0: a decode step launched ahead whose first `carried`
     rows take their tokens from the device, broadcast after the header (AnnouncedGraphs);
     `drafts` > 0: a verify pass whose rows' tokens after the first are [B, drafts] draft ids
-    broadcast from rank 0's device after the header (Runner.forward's `carried`)."""
+    broadcast from rank 0's device after the header (Runner.forward's `carried`); `on_device`:
+    a step whose rows' tokens and cache lengths all follow so, [B, width + 1] (a speculative
+    step launched ahead, GraphRunner.launch_rows: `tokens` give the width only)."""
     q_lens = [len(t) for t in tokens]
     b = len(tokens)
     flat = [x for t in tokens for x in t]  # unpadded: each rank's Runner.forward pads as rank 0's does
@@ -84,7 +87,7 @@ def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens
         tree = [len(t) + 1 if t is not None else 0 for t in trees] + [p for t in trees if t is not None for p in t]
     moved = [s for s, _ in moves] + [d for _, d in moves]
     meta = torch.tensor([FORWARD, b, len(flat), updates.shape[1], int(last_only), num_layers or 0, len(tree), len(moves),
-                         int(graphs), carried, drafts], dtype=torch.int64)
+                         int(graphs), carried, drafts, int(on_device)], dtype=torch.int64)
     payload = torch.cat([torch.tensor(rows + cache_lens + q_lens + flat + tree + moved, dtype=torch.int64),
                          updates.flatten()])
     return meta, payload
@@ -93,7 +96,7 @@ def encode(updates: torch.Tensor, rows: list[int], cache_lens: list[int], tokens
 def payload_len(meta: list[int]) -> int:
     if meta[0] == CALIBRATE:
         return meta[1]
-    _, b, num_tokens, num_updates, _, _, num_tree, num_moves, _, _, _ = meta
+    _, b, num_tokens, num_updates, _, _, num_tree, num_moves, _, _, _, _ = meta
     return 3 * b + num_tokens + num_tree + 2 * num_moves + 3 * num_updates
 
 
@@ -133,7 +136,7 @@ def run_step(runner: Runner, group: Group, meta: list[int], payload: torch.Tenso
     """A follower's pass from its header: the KV changes rank 0 made, then the Runner.forward
     rank 0 runs, with the same arguments (its logits stay on rank 0: only rank 0 samples); a
     launch ahead takes its carried rows' tokens from rank 0's broadcast, as rank 0's does."""
-    _, b, num_tokens, num_updates, last_only, num_layers, num_tree, num_moves, graphs, carried, drafts = meta
+    _, b, num_tokens, num_updates, last_only, num_layers, num_tree, num_moves, graphs, carried, drafts, on_device = meta
     head, updates = payload[:len(payload) - 3 * num_updates].tolist(), payload[len(payload) - 3 * num_updates:]
     rows, lens, q_lens = head[:b], head[b:2 * b], head[2 * b:3 * b]
     at = 3 * b + num_tokens
@@ -146,6 +149,11 @@ def run_step(runner: Runner, group: Group, meta: list[int], payload: torch.Tenso
     tokens = [ids[e - q:e] for e, q in zip(ends, q_lens)]
     if carried:  # the header's table changes are in (above): a follower keeps no others
         runner.graphs.launch(rows, lens, tokens, group.broadcast_tokens(carried))
+        return
+    if on_device:
+        width = q_lens[0]
+        both = group.broadcast_tokens((b, width + 1))
+        runner.graphs.launch_rows(rows, width, both[:, :width], both[:, width])
         return
     kept = runner.graphs
     runner.graphs = kept if graphs else None
@@ -205,11 +213,11 @@ class ParallelRunner(Runner):
             return super().forward(rows, cache_lens, tokens, last_only, num_layers, trees, hidden, aux, carried)
 
     def announce(self, rows, cache_lens, tokens, last_only, num_layers=None, trees=None, graphs=True,
-                 carried: int = 0, drafts: int = 0) -> None:
+                 carried: int = 0, drafts: int = 0, on_device: bool = False) -> None:
         """The next pass's header to the followers, and the table changes it carries applied here."""
         updates = self.kv.take_updates()
         meta, payload = encode(updates, rows, cache_lens, tokens, last_only, num_layers, trees, self.kv.moved,
-                               graphs, carried, drafts)
+                               graphs, carried, drafts, on_device)
         self.kv.moved.clear()
         self._send(meta, payload)
         if updates.shape[1]:
@@ -300,6 +308,14 @@ class AnnouncedGraphs:
         with self.runner._failures():
             self.runner.announce(rows, cache_lens, tokens, last_only=False, carried=carried.shape[0])
             return self.inner.launch(rows, cache_lens, tokens, self.runner.group.broadcast_tokens(carried))
+
+    def launch_rows(self, rows, width: int, ids: torch.Tensor, lens: torch.Tensor):
+        """GraphRunner.launch_rows on every rank: one broadcast of the rows' tokens and lengths."""
+        with self.runner._failures():
+            b = len(rows)
+            self.runner.announce(rows, [0] * b, [[0] * width] * b, last_only=False, on_device=True)
+            both = self.runner.group.broadcast_tokens(torch.cat([ids, lens[:, None]], 1))
+            return self.inner.launch_rows(rows, width, both[:, :width], both[:, width])
 
 
 def spawn(rank: int, size: int, addr: str, port: int, target: str, cfg, step_timeout_s: float):

@@ -145,6 +145,40 @@ class ModelDrafter(Drafter):
         self.kv.grow(h, num_tokens)
         return True
 
+    @torch.inference_mode()
+    def launch_ahead(self, seq_ids: list[str], sizes: list[int], fed: torch.Tensor, lens: torch.Tensor,
+                     k: int) -> torch.Tensor | None:
+        """Greedy drafts for a speculative step launched before the host knows the step before
+        it (cluster.engine.spec.ahead): each row catches up the two tokens `fed` ([B, 2] on
+        the device: the last accepted one, rewritten where it already is, and the one after)
+        at positions `lens` .. `lens` + 1 ([B], on the device), then drafts k from there:
+        [B, k] on the device, on the caller's stream. Every row must hold its KV up to `lens`
+        (its state, `hold`); `sizes`: its tokens as the host knows them, which the step before
+        may grow by up to k + 1. None where a row has no state or room: draft the usual way."""
+        graphs = self.runner.graphs
+        if graphs is None or any(sid not in self.state for sid in seq_ids) or len(seq_ids) > self.num_slots:
+            return None
+        keep = set(seq_ids)
+        handles = [self._handle(sid, keep) for sid in seq_ids]
+        # the step before may add k + 1 tokens; these drafts write k more after the two caught up
+        if any(n + 2 * k + 2 > self.max_len or not self._room(h, n + 2 * k + 2, keep) for h, n in zip(handles, sizes)):
+            return None
+        rows = [h.row for h in handles]
+        self.kv.sync()
+        _, hidden = graphs.launch_rows(rows, 2, fed, lens)
+        first = self.runner.model.logits(hidden[:, 1], fp32=False).argmax(-1)
+        if k == 1:
+            return first[:, None]
+        out = graphs.chain(rows, [0] * len(rows), first, k, lens=lens + 2)
+        return out.clone()  # the graph's buffer: the next chain replays into it
+
+    def hold(self, seq_id: str, tokens: list[int], n: int) -> None:
+        """After a step launched ahead: this row's KV holds `tokens`' first n (launch_ahead's
+        catch-up wrote them, or will before any later pass here reads them)."""
+        st = self.state.get(seq_id)
+        if st is not None:
+            self.state[seq_id] = (st[0], _Held(tokens, n, []))
+
     def propose(self, requests: list[DraftRequest]) -> DraftOutput:
         return self.launch(requests).finish()
 

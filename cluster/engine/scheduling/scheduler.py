@@ -11,9 +11,9 @@ is measured in verify tokens (sum of gamma+1 over rows plus prefill tokens) unde
 fewer sequences than one decoding plainly.
 
 Blocks are taken as tokens arrive: before a step each row's table grows to hold what the
-step writes (its chunk, or gamma+1 tokens plus one spare for a decode step launched ahead),
-and after it shrinks back to what the accepted tokens need, so rejected drafts give their
-blocks back. When the pool runs dry the newest running sequence is preempted: its blocks go
+step writes (its chunk, or gamma+1 tokens plus one spare for a decode step launched ahead;
+two speculative steps' worth where they launch ahead), and after it shrinks back to what the
+accepted tokens need, so rejected drafts give their blocks back. When the pool runs dry the newest running sequence is preempted: its blocks go
 back (its full blocks stay cached, so coming back often costs little) and it waits at the
 head of the queue to be recomputed. Its tokens so far are kept, so preemption never changes
 what it emits.
@@ -46,6 +46,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.preemptions = 0
         self.prefix_hit_tokens = 0
+        # positions a verify row needs past its cache for speculative steps launched ahead (two
+        # steps in flight: cluster.engine.spec.ahead); set by an engine that runs them
+        self.ahead_room = 0
 
     def add(self, seq: Sequence) -> None:
         # free batch places count as room: a burst that arrives before the next step admits
@@ -159,6 +162,7 @@ class Scheduler:
         if need > budget:
             cap = max(0, budget // len(rows) - 1)
         out, preempted = [], self.preemptions
+        ahead = self.ahead_room if any(gammas[s.seq_id] for s in rows) else 0  # a step's rows share one width
         for s in rows:
             if s.kv is None:  # preempted to make room for an older row
                 continue
@@ -166,7 +170,7 @@ class Scheduler:
             # g + 1 positions written, and one spare for a plain step launched ahead. Short of
             # blocks, newer sequences make way, then this one: gamma never shrinks for memory,
             # so a seeded request's draws do not depend on the pool
-            if not self._room(s, s.num_cached + max(g + 1, 2)):
+            if not self._room(s, s.num_cached + max(g + 1, 2, ahead)):
                 self.preempt(s)
                 continue
             out.append((s, g))
@@ -184,4 +188,4 @@ class Scheduler:
         if seq.kv is None:
             return
         self.kv.commit(seq.kv, seq.token_ids, seq.num_cached)
-        self.kv.shrink(seq.kv, len(seq.token_ids) + 1)
+        self.kv.shrink(seq.kv, len(seq.token_ids) + 1 + seq.reserve)

@@ -105,6 +105,9 @@ class Sequence:
     # (first position, [n, A]): the target's aux hidden states not yet sent to an EAGLE-3
     # drafter (cluster.engine.spec.aux_hidden); kept only while this sequence's drafter reads them
     aux: tuple[int, torch.Tensor] | None = None
+    # positions past its last token a step launched ahead writes while the host reads the step
+    # before (cluster.engine.spec.ahead): blocks settle keeps
+    reserve: int = 0
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_ids)

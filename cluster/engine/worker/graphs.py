@@ -244,9 +244,12 @@ class GraphRunner:
         return self.launch(rows, cache_lens, [()] * len(rows), tokens)[:, 0]
 
     @torch.inference_mode()
-    def chain(self, rows: list[int], cache_lens: list[int], first: torch.Tensor, k: int) -> torch.Tensor:
+    def chain(self, rows: list[int], cache_lens: list[int], first: torch.Tensor, k: int,
+              lens: torch.Tensor | None = None) -> torch.Tensor:
         """A greedy chain of k drafts a row from `first` ([B] int64 on the device, fed at each
-        row's cache length): [B, k] (a static buffer), one replay (_Chain)."""
+        row's cache length): [B, k] (a static buffer), one replay (_Chain). `lens` ([B] int64
+        on the device): the cache lengths, where the host does not know them (cache_lens then
+        placeholders)."""
         bk = bucket(len(rows))
         g = self.graphs.get((bk, -k, None))
         if g is None:
@@ -257,6 +260,8 @@ class GraphRunner:
         g.inputs.copy_(g.host, non_blocking=True)
         g.copied.record()
         g.first[:len(rows)].copy_(first)
+        if lens is not None:
+            g.lens[:len(rows)].copy_(lens)
         g.graph.replay()
         return g.out[:len(rows)]
 
@@ -285,6 +290,21 @@ class GraphRunner:
         g.ids[:carried.shape[0], 0].copy_(carried)
         g.graph.replay()
         return g.out[:len(rows)]
+
+
+    @torch.inference_mode()
+    def launch_rows(self, rows: list[int], width: int, ids: torch.Tensor, lens: torch.Tensor
+                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """A step whose every row's tokens ([B, width] int64) and cache length ([B]) are on
+        the device, results of the step before that the host has not read (a speculative
+        step launched ahead, cluster.engine.spec.ahead): ([B, width, V] logits, None for a
+        prefill width; [B, width, D] hidden states), static buffers as forward's."""
+        b = len(rows)
+        g = self._prepare(rows, [0] * b, [[0] * width] * b, width, None)
+        g.ids[:b].copy_(ids)
+        g.lens[:b].copy_(lens)
+        g.graph.replay()
+        return (None if g.out is None else g.out[:b]), g.hidden[:b]
 
 
 def fill_inputs(host, tokens, rows, cache_lens, width: int, bk: int, scratch_row: int) -> None:

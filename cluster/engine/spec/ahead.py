@@ -1,0 +1,180 @@
+"""Speculative steps launched ahead: step n+1 drafts and verifies on the GPU while the host
+reads step n's tokens.
+
+A speculative step's host work (reading the verify pass's argmax, appending tokens, stop
+checks, detokenizing, scheduling, launching the drafter's and the target's graphs) otherwise
+leaves the GPU idle between steps: 4.6 ms of a 22 ms step at TP 4 (benchmarks/gpu/tp). As a
+plain step run ahead takes its input from the step before on the device
+(cluster.engine.worker.pipeline), a greedy speculative step can: acceptance runs on the device
+(the argmax at each fed position, drafts standing while they equal it, `accept_on_device`),
+and step n+1 starts from there without the host:
+- the target's cache length becomes `lens + a + 1` (the last token and a accepted drafts
+  cached) and its first token the argmax after them (the bonus token);
+- the drafter catches up a fixed two tokens, the last accepted one (rewriting it where it
+  already is, which is harmless) and the bonus token, then drafts its chain
+  (ModelDrafter.launch_ahead), all from device tensors;
+- the verify pass reads its rows' tokens and lengths from the device (GraphRunner.launch_rows;
+  under tensor parallelism they follow the header as one device broadcast).
+
+Greedy rows only (a dropped launch must not consume a seeded row's draws), one model drafter
+for the batch, CUDA graphs. The scheduler grows each row's blocks for both steps in flight
+(2 gamma + 2 positions) and settle keeps them (Sequence.reserve). Tokens are the argmax chain
+whatever was drafted, so they equal plain decoding's; a row's gamma caps how many drafts it
+accepts (its tokens past max_tokens are cut by the engine's stop checks). The launch assumes
+every row continues: a row that finished, was aborted or preempted drops its part, which only
+wrote its own blocks past its length and the drafter's. A row that joined after the launch
+waits one step, and the next step starts afresh for all; so does a step after any other kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cluster.engine.scheduling.sequence import Sequence
+from cluster.engine.worker.attention import device_ints
+
+
+@dataclass
+class _Launch:
+    """One speculative step on the device, its tokens not read yet."""
+    index: dict[str, int]  # seq_id -> its row in this launch
+    width: int  # gamma + 1 fed tokens a row
+    caps: list[int]  # drafts each row may accept (its gamma)
+    fed: torch.Tensor  # [B, width] the verify pass's tokens: last token, drafts
+    lens: torch.Tensor  # [B] its cache lengths
+    best: torch.Tensor  # [B, width] the target's argmax at each fed position
+    num_acc: torch.Tensor  # [B] drafts accepted
+    host: torch.Tensor  # [B, width + 1] best then num_acc, on the host once `copied`
+    copied: object
+    # seq_id -> (table row, cache length) the row has once this launch's tokens are accepted:
+    # the next step uses the launch after it only where the row is there
+    keys: dict[str, tuple[int, int]] | None = None
+
+
+def accept_on_device(logits: torch.Tensor, fed: torch.Tensor, caps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance without the host: (argmax [B, W], drafts accepted [B]). Drafts stand
+    while they equal the target's argmax (spec.acceptance's greedy shortcut, the same
+    comparison), at most `caps` of them a row."""
+    best = logits.argmax(-1)
+    stand = (best[:, :-1] == fed[:, 1:]).int().cumprod(-1).sum(-1)
+    return best, torch.minimum(stand, caps)
+
+
+class SpecPipeline:
+    def __init__(self, graphs, drafters: dict, capture, max_batch: int, max_width: int):
+        """graphs: the target's GraphRunner, or rank 0's AnnouncedGraphs under tensor parallelism."""
+        self.graphs, self.drafters, self.capture = graphs, drafters, capture
+        # two host buffers in turn: a step launches the next before it reads its own
+        self.buffers = [capture.host(max_batch * (max_width + 1)) for _ in range(2)]
+        self.launches = 0
+        self.ahead: _Launch | None = None
+        self.hits = 0  # steps that used a launch ahead
+        self.fresh = 0  # steps that started afresh
+        self.dropped_rows = 0  # launched rows no step used (finished, aborted, preempted)
+        self.deferred_rows = 0  # rows that joined after a launch and waited a step
+
+    def interrupt(self, seqs: list[Sequence] = ()) -> None:
+        """A step ran another way: drop any launch ahead (its rows' blocks need no reserve)."""
+        if self.ahead is not None:
+            self.dropped_rows += len(self.ahead.index)
+        self.ahead = None
+        for s in seqs:
+            s.reserve = 0
+
+    @torch.inference_mode()
+    def step(self, seqs: list[Sequence], caps: list[int], drafter: str
+             ) -> tuple[list[Sequence], list[list[int]], list[int]]:
+        """One greedy speculative step for `seqs` (gamma `caps[b]` each, the widest sets the
+        drafts a row): (the rows that ran, their new tokens, the drafts each could accept);
+        nothing where the drafter could not take them (draft the usual way). The next step is
+        launched before this one's tokens are read, for the rows that ran."""
+        d = self.drafters[drafter]
+        self.graphs.sync_tables()  # the scheduler grew the rows' tables for both steps in flight
+        ahead, self.ahead = self.ahead, None
+        idx = [None] * len(seqs)
+        if ahead is not None and ahead.keys is not None:
+            idx = [ahead.index.get(s.seq_id) if ahead.keys.get(s.seq_id) == (s.kv.row, s.num_cached) else None
+                   for s in seqs]
+        if any(i is not None for i in idx):
+            run = [s for s, i in zip(seqs, idx) if i is not None]
+            wait = [s for s, i in zip(seqs, idx) if i is None]
+            used = [i for i in idx if i is not None]
+            self.hits += 1
+            self.dropped_rows += len(ahead.index) - len(used)
+            self.deferred_rows += len(wait)
+            cur, sel = ahead, used
+        else:
+            self.interrupt()
+            run, wait = seqs, []
+            cur = self._fresh(run, max(caps), d, caps)
+            if cur is None:
+                return [], [], []
+            sel = list(range(len(run)))
+            self.fresh += 1
+        width = cur.width
+        nxt = None if wait else self._launch(cur, sel, run, max(caps), caps, d)  # no wait: run is seqs
+        for s in seqs:
+            s.reserve = 0 if nxt is None or s.seq_id not in nxt.index else 2 * (nxt.width - 1) + 2
+        cur.copied.synchronize()
+        host = cur.host.tolist()
+        tokens, keys = [], {}
+        for s, i in zip(run, sel):
+            a = host[i][width]
+            toks = host[i][: a + 1]
+            tokens.append(toks)
+            keys[s.seq_id] = (s.kv.row, s.num_cached + len(toks))
+            # the drafter's KV: every token once the next launch caught up; else through the
+            # last accepted draft it was fed (the last draft never is)
+            n = len(s.token_ids) + len(toks) if nxt is not None else s.num_cached + min(a, width - 2) + 1
+            d.hold(s.seq_id, s.token_ids, n)
+        if nxt is not None:
+            nxt.keys = keys
+            self.ahead = nxt
+        return run, tokens, [cur.caps[i] for i in sel]
+
+    def _fresh(self, seqs: list[Sequence], g: int, d, caps: list[int]) -> _Launch | None:
+        """A step from the host's state: the drafter's usual call, its drafts left on the device."""
+        from cluster.engine.drafters.base import DraftRequest
+
+        pending = d.launch([DraftRequest(s.seq_id, s.token_ids, g, s.params) for s in seqs])
+        if any(c != g for c in pending.counts):  # a row the drafter had no room for
+            pending.finish()  # its state as its own call leaves it
+            return None
+        dev = pending.ids.device
+        first = device_ints([s.token_ids[-1] for s in seqs], dev)
+        fed = torch.cat([first[:, None], pending.device_ids()], 1)
+        lens = device_ints([s.num_cached for s in seqs], dev)
+        return self._verify(seqs, fed, lens, caps)
+
+    def _launch(self, cur: _Launch, sel: list[int], seqs: list[Sequence], g: int, caps: list[int], d
+                ) -> _Launch | None:
+        """The step after `cur` for its rows `sel` (`seqs`), from its results on the device."""
+        if g < 1:
+            return None
+        dev = cur.fed.device
+        at = None if sel == list(range(cur.fed.shape[0])) else device_ints(sel, dev)
+        fed, lens, best, num_acc = (x if at is None else x[at] for x in (cur.fed, cur.lens, cur.best, cur.num_acc))
+        last = fed.gather(1, num_acc[:, None])  # the last accepted token (rewritten) ...
+        bonus = best.gather(1, num_acc[:, None])  # ... and the target's token after it
+        start = lens + num_acc  # the last accepted token's position
+        drafts = d.launch_ahead([s.seq_id for s in seqs], [len(s.token_ids) for s in seqs],
+                                torch.cat([last, bonus], 1), start, g)
+        if drafts is None:
+            return None
+        return self._verify(seqs, torch.cat([bonus, drafts], 1), start + 1, caps)
+
+    def _verify(self, seqs: list[Sequence], fed: torch.Tensor, lens: torch.Tensor, caps: list[int]) -> _Launch:
+        """The verify pass over `fed` at `lens` and its acceptance, on the device; the argmax
+        and counts copied to the host behind them."""
+        b, width = fed.shape
+        logits, _ = self.graphs.launch_rows([s.kv.row for s in seqs], width, fed, lens)
+        best, num_acc = accept_on_device(logits, fed, device_ints(caps, fed.device))
+        host = self.buffers[self.launches % 2][: b * (width + 1)].view(b, width + 1)
+        self.launches += 1
+        host.copy_(torch.cat([best, num_acc[:, None]], 1), non_blocking=True)
+        copied = self.capture.event()
+        copied.record()
+        return _Launch({s.seq_id: i for i, s in enumerate(seqs)}, width, [min(c, width - 1) for c in caps], fed, lens,
+                       best, num_acc, host, copied)

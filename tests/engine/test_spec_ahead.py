@@ -1,0 +1,135 @@
+"""Greedy speculative steps launched ahead (cluster.engine.spec.ahead) give the tokens of steps
+that wait for the host, through finishes by EOS, stop strings and length, aborts, late
+arrivals, mixed gammas and preemption, and give every block back.
+
+The engine under test runs the real GraphRunner, ModelDrafter and SpecPipeline with the CPU
+stand-in for CUDA graphs (cluster.engine.worker.capture.eager_on_cpu); its reference is the
+same engine with `spec_ahead` off, whose speculative steps each wait for the host.
+"""
+
+import pytest
+import torch
+
+from cluster.engine.config import EngineConfig
+from cluster.engine.drafters.model import ModelDrafter
+from cluster.engine.engine import Engine
+from cluster.engine.sampling import SamplingParams
+from cluster.engine.scheduling.sequence import SpecParams
+from cluster.engine.worker.capture import eager_on_cpu
+from cluster.engine.worker.loader import load_model
+from tests.engine.test_pipeline import run
+
+
+def make_engine(random_models, tokenizer, ahead: bool, kv_blocks: int | None = None) -> Engine:
+    from cluster.engine.scheduling.kv_cache import block_bytes
+
+    target = load_model(random_models["llama"], torch.float32, "cpu")
+    draft = load_model(random_models["llama_draft"], torch.float32, "cpu")
+    s = target.shape
+    gb = None if kv_blocks is None else kv_blocks * block_bytes(s.layers, 4, s.kv_heads, s.head_dim, torch.float32) / 2**30
+    cfg = EngineConfig(max_num_seqs=8, max_model_len=96, block_size=4, max_batch_tokens=64, prefill_chunk=16,
+                       gamma_max=4, spec_ahead=ahead, kv_cache_gb=gb)
+    with eager_on_cpu():
+        e = Engine(target, tokenizer, cfg, {"model": ModelDrafter(draft, 16, 128, max_draft=5)}, "model")
+    assert (e.spec_ahead is not None) == ahead and e.runner.graphs is not None
+    return e
+
+
+@pytest.fixture(scope="module")
+def engines(random_models, tokenizer):
+    return make_engine(random_models, tokenizer, False), make_engine(random_models, tokenizer, True)
+
+
+def _greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True, **kw)
+
+
+def _settled(e: Engine) -> None:
+    assert e.kv.held() == (0, 0) and not e.seqs and not e.has_work
+    assert e.kv.pool.num_used == 0
+
+
+def test_steps_launched_ahead_give_the_tokens_of_waiting_steps(engines):
+    """Rows ending by length (one at max_model_len), by a stop string and by an abort, one
+    arriving mid-run, rows of different gammas in one batch: every token is the same, most
+    steps used a launch ahead, and the blocks all come back."""
+    g3, g2 = SpecParams("fixed", 3), SpecParams("fixed", 2)
+    script = {
+        0: [("add", "def f(x):\n    return", _greedy(40), g3), ("add", "abcabc", _greedy(7), g3),
+            ("add", "hello there", _greedy(30, stop=["\x86"]), g3), ("add", "zzz", _greedy(200), g2)],
+        6: [("add", "the quick brown fox", _greedy(12), g3)],  # arrives mid-run
+        11: [("abort", 0)],
+        14: [("add", "x = [1, 2", _greedy(9), SpecParams("off"))]}  # plain beside speculative rows
+    p = engines[1].spec_ahead
+    hits, fresh = p.hits, p.fresh
+    want, got = (run(e, script) for e in engines)
+    assert got == want and all(got.values())
+    assert len(got[3]) == 96 - len(engines[0].tokenizer.encode("zzz"))  # ran into max_model_len
+    assert p.hits - hits > 10 and p.hits - hits > 2 * (p.fresh - fresh)
+    assert p.deferred_rows > 0 and p.dropped_rows > 0
+    for e in engines:
+        _settled(e)
+
+
+def test_eos_mid_launch_ends_the_row_without_an_extra_token(engines):
+    """A row whose accepted tokens hold EOS had its next step launched: nothing after EOS
+    reaches the client and the row ends where waiting steps end it."""
+    spec = SpecParams("fixed", 3)
+    prompt = "def f(x):\n    return"
+    free = engines[0].generate([prompt], _greedy(30), spec)[0]["token_ids"]
+    eos = free[9]
+    saved = [e.eos for e in engines]
+    try:
+        for e in engines:
+            e.eos = eos
+        want, got = (e.generate([prompt], SamplingParams(max_tokens=30), spec)[0]["token_ids"] for e in engines)
+    finally:
+        for e, x in zip(engines, saved):
+            e.eos = x
+    assert got == want == free[: free.index(eos) + 1]
+    for e in engines:
+        _settled(e)
+
+
+def test_sampled_rows_and_logprobs_run_the_waiting_way(engines):
+    """Only greedy rows without logprobs launch ahead: a batch with a sampled row steps as
+    before and gives its seed's tokens."""
+    e = engines[1]
+    hits, fresh = e.spec_ahead.hits, e.spec_ahead.fresh
+    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=3), _greedy(12)]
+    want = [engines[0].generate([p], q, SpecParams("fixed", 3))[0]["token_ids"] for p, q in zip(["ab", "cd"], params)]
+    got = [e.generate([p], q, SpecParams("fixed", 3))[0]["token_ids"] for p, q in zip(["ab", "cd"], params)]
+    assert got == want
+    # the greedy request ran ahead, the sampled one did not
+    assert e.spec_ahead.hits > hits and e.spec_ahead.fresh == fresh + 1
+    lp = e.generate(["ab"], _greedy(6, logprobs=1), SpecParams("fixed", 3))[0]
+    assert e.spec_ahead.fresh == fresh + 1 and len(lp["token_ids"]) == 6
+
+
+def test_preempted_rows_drop_their_launch_and_recompute(random_models, tokenizer):
+    """A pool too small for the batch preempts rows a launch covered: their launched rows are
+    dropped, they are recomputed later, and no token differs from a roomy engine's."""
+    prompts = ["def f(x):\n    return", "abcabc", "hello there", "zzz", "the quick brown fox", "x = [1, 2"]
+    spec = SpecParams("fixed", 3)
+    roomy = make_engine(random_models, tokenizer, False).generate(prompts, _greedy(40), spec)
+    tight = make_engine(random_models, tokenizer, True, kv_blocks=60)
+    out = tight.generate(prompts, _greedy(40), spec)
+    assert [r["token_ids"] for r in out] == [r["token_ids"] for r in roomy]
+    assert tight.scheduler.preemptions > 0 and tight.spec_ahead.hits > 0 and tight.spec_ahead.dropped_rows > 0
+    _settled(tight)
+
+
+def test_the_drafter_holds_what_it_was_fed(engines):
+    """After steps launched ahead the drafter's KV state names a prefix of the sequence's
+    tokens (what it caught up), so a step the usual way resumes from there."""
+    e = engines[1]
+    sid = e.add_request("def f(x):\n    return", _greedy(30), SpecParams("fixed", 3))
+    seq = e.seqs[sid]
+    for _ in range(8):
+        e.step()
+    held = e.drafters["model"].tokens_held(sid)
+    assert e.spec_ahead.ahead is not None and held == seq.token_ids[: len(held)] and len(held) >= len(seq.token_ids) - 4
+    e.spec_ahead.interrupt([seq])  # as a step of another kind does
+    while e.has_work:
+        e.step()
+    _settled(e)
