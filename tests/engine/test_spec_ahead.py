@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from cluster.engine.config import EngineConfig
-from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.engine import Engine
 from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.sequence import SpecParams
@@ -20,24 +19,27 @@ from cluster.engine.worker.loader import load_model
 from tests.engine.test_pipeline import run
 
 
-def make_engine(random_models, tokenizer, ahead: bool, kv_blocks: int | None = None) -> Engine:
+def make_engine(demo_pair, ahead: bool, kv_blocks: int | None = None) -> Engine:
+    """The demo pair (its drafter agrees with its target often: acceptance is what a launch
+    ahead builds on) in float32, CUDA graphs by the CPU stand-in."""
     from cluster.engine.scheduling.kv_cache import block_bytes
 
-    target = load_model(random_models["llama"], torch.float32, "cpu")
-    draft = load_model(random_models["llama_draft"], torch.float32, "cpu")
-    s = target.shape
-    gb = None if kv_blocks is None else kv_blocks * block_bytes(s.layers, 4, s.kv_heads, s.head_dim, torch.float32) / 2**30
+    target, draft = demo_pair
+    gb = None
+    if kv_blocks is not None:
+        s = load_model(target, torch.float32, "cpu").shape
+        gb = kv_blocks * block_bytes(s.layers, 4, s.kv_heads, s.head_dim, torch.float32) / 2**30
     cfg = EngineConfig(max_num_seqs=8, max_model_len=96, block_size=4, max_batch_tokens=64, prefill_chunk=16,
-                       gamma_max=4, spec_ahead=ahead, kv_cache_gb=gb)
+                       gamma_max=4, spec_ahead=ahead, kv_cache_gb=gb, dtype="float32")
     with eager_on_cpu():
-        e = Engine(target, tokenizer, cfg, {"model": ModelDrafter(draft, 16, 128, max_draft=5)}, "model")
+        e = Engine.from_pretrained(target, draft, "model", cfg)
     assert (e.spec_ahead is not None) == ahead and e.runner.graphs is not None
     return e
 
 
 @pytest.fixture(scope="module")
-def engines(random_models, tokenizer):
-    return make_engine(random_models, tokenizer, False), make_engine(random_models, tokenizer, True)
+def engines(demo_pair):
+    return make_engine(demo_pair, False), make_engine(demo_pair, True)
 
 
 def _greedy(n: int, **kw) -> SamplingParams:
@@ -106,13 +108,13 @@ def test_sampled_rows_and_logprobs_run_the_waiting_way(engines):
     assert e.spec_ahead.fresh == fresh + 1 and len(lp["token_ids"]) == 6
 
 
-def test_preempted_rows_drop_their_launch_and_recompute(random_models, tokenizer):
+def test_preempted_rows_drop_their_launch_and_recompute(demo_pair):
     """A pool too small for the batch preempts rows a launch covered: their launched rows are
     dropped, they are recomputed later, and no token differs from a roomy engine's."""
     prompts = ["def f(x):\n    return", "abcabc", "hello there", "zzz", "the quick brown fox", "x = [1, 2"]
     spec = SpecParams("fixed", 3)
-    roomy = make_engine(random_models, tokenizer, False).generate(prompts, _greedy(40), spec)
-    tight = make_engine(random_models, tokenizer, True, kv_blocks=60)
+    roomy = make_engine(demo_pair, False).generate(prompts, _greedy(40), spec)
+    tight = make_engine(demo_pair, True, kv_blocks=36)
     out = tight.generate(prompts, _greedy(40), spec)
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in roomy]
     assert tight.scheduler.preemptions > 0 and tight.spec_ahead.hits > 0 and tight.spec_ahead.dropped_rows > 0
