@@ -135,3 +135,46 @@ def test_the_drafter_holds_what_it_was_fed(engines):
     while e.has_work:
         e.step()
     _settled(e)
+
+
+def test_a_rows_gamma_caps_what_it_accepts_in_a_wider_step(engines):
+    """A row of gamma 0 in a batch of gamma 3 is fed the step's width but takes one token a
+    step, and a row of gamma 1 at most two: a gamma bounds acceptance as it does waiting."""
+    e = engines[1]
+    specs = {e.add_request("def f(x):\n    return", _greedy(24), SpecParams("fixed", 3)): 4,
+             e.add_request("def g(y):\n    return", _greedy(24), SpecParams("off")): 1,
+             e.add_request("x = [1, 2", _greedy(24), SpecParams("fixed", 1)): 2}
+    hits, most = e.spec_ahead.hits, {sid: 0 for sid in specs}
+    while e.has_work:
+        for o in e.step():
+            if o.seq_id in most and o.num_prompt and len(o.token_ids) and not o.finished:
+                most[o.seq_id] = max(most[o.seq_id], len(o.token_ids))
+    assert e.spec_ahead.hits - hits > 5
+    assert all(most[sid] <= cap for sid, cap in specs.items())
+    assert most[next(iter(specs))] > 2  # the gamma-3 row did take more than two at once
+    _settled(e)
+
+
+def test_the_drafter_state_after_a_drained_launch_drafts_as_a_fresh_drafter(engines):
+    """A row arriving mid-run makes the next step run the launched rows without a launch
+    after them: the drafter then holds the tokens it was fed and no more, so drafting from
+    its state gives what a drafter with no state drafts."""
+    from cluster.engine.drafters.base import DraftRequest
+    from cluster.engine.drafters.model import ModelDrafter
+
+    e = engines[1]
+    sid = e.add_request("def f(x):\n    return", _greedy(40), SpecParams("fixed", 4))
+    for _ in range(6):
+        e.step()
+    deferred = e.spec_ahead.deferred_rows
+    late = e.add_request("abcabc", _greedy(4), SpecParams("fixed", 4))
+    while e.spec_ahead.deferred_rows == deferred:
+        e.step()
+    assert e.spec_ahead.ahead is None  # drained: nothing launched after the step the late row waited
+    d, seq = e.drafters["model"], e.seqs[sid]
+    fresh = ModelDrafter(d.runner.model, 4, 128)
+    req = DraftRequest(sid, list(seq.token_ids), 4, seq.params)
+    assert d.propose([req]).tokens == fresh.propose([req]).tokens
+    e.abort(sid)
+    e.abort(late)
+    _settled(e)
