@@ -155,7 +155,8 @@ def test_a_rows_gamma_caps_what_it_accepts_in_a_wider_step(engines):
     _settled(e)
 
 
-def test_the_drafter_state_after_a_drained_launch_drafts_as_a_fresh_drafter(engines):
+@pytest.mark.parametrize("gamma", [1, 2, 4])
+def test_the_drafter_state_after_a_drained_launch_drafts_as_a_fresh_drafter(engines, gamma):
     """A row arriving mid-run makes the next step run the launched rows without a launch
     after them: the drafter then holds the tokens it was fed and no more, so drafting from
     its state gives what a drafter with no state drafts."""
@@ -163,11 +164,11 @@ def test_the_drafter_state_after_a_drained_launch_drafts_as_a_fresh_drafter(engi
     from cluster.engine.drafters.model import ModelDrafter
 
     e = engines[1]
-    sid = e.add_request("def f(x):\n    return", _greedy(40), SpecParams("fixed", 4))
+    sid = e.add_request("def f(x):\n    return", _greedy(40), SpecParams("fixed", gamma))
     for _ in range(6):
         e.step()
     deferred = e.spec_ahead.deferred_rows
-    late = e.add_request("abcabc", _greedy(4), SpecParams("fixed", 4))
+    late = e.add_request("abcabc", _greedy(4), SpecParams("fixed", gamma))
     while e.spec_ahead.deferred_rows == deferred:
         e.step()
     assert e.spec_ahead.ahead is None  # drained: nothing launched after the step the late row waited
