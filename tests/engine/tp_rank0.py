@@ -113,6 +113,7 @@ def graph_tokens(target: str, draft: str, tp: int) -> dict:
                    "sampled": [r["token_ids"] for r in e.generate(PROMPTS, SAMPLED, SpecParams("fixed", 2), "model")],
                    "sampled_plain": [r["token_ids"] for r in e.generate(PROMPTS, SAMPLED, SpecParams("off"))],
                    "ahead": {"launched": e.pipeline.launched, "hits": e.pipeline.hits},
+                   "spec_ahead": {"hits": e.spec_ahead.hits, "fresh": e.spec_ahead.fresh},
                    "drafts_on_device": e.planner.counts["drafts_on_device"],
                    "held": list(e.kv.held()),
                    "replays": {str(k): g.graph.replays for k, g in e.runner.graphs.graphs.items()}}
