@@ -49,6 +49,22 @@ def main() -> int:
          "drafted": sum(r["spec"]["drafted"] for r in spec), "accepted": sum(r["spec"]["accepted"] for r in spec)}
     if cpu:
         R["chain_replays"] = sum(chains().values())
+    # speculative steps launched ahead (cluster.engine.spec.ahead) against the same steps waiting
+    # for the host: tokens equal, and tokens/s at 1 and 3 streams (gamma 4)
+    ahead = e.spec_ahead
+    R["spec_ahead"] = {"hits": ahead.hits, "fresh": ahead.fresh} if ahead else None
+    for n in (1, 3):
+        for on in (True, False):
+            e.spec_ahead = ahead if on else None
+            e.generate(prompts[:n], SamplingParams(max_tokens=32, ignore_eos=True), SpecParams("fixed", 4), "model")
+            t = time.perf_counter()
+            res = e.generate(prompts[:n], SamplingParams(max_tokens=256, ignore_eos=True), SpecParams("fixed", 4), "model")
+            rate = sum(len(r["token_ids"]) for r in res) / (time.perf_counter() - t)
+            R[f"g4_{n}_streams_{'ahead' if on else 'waiting'}_tok_s"] = round(rate, 1)
+            R.setdefault(f"g4_{n}_streams_ids", []).append([r["token_ids"] for r in res])
+        R[f"g4_{n}_streams_same_tokens"] = R[f"g4_{n}_streams_ids"][0] == R.pop(f"g4_{n}_streams_ids")[1]
+    e.spec_ahead = ahead
+    R["same_tokens_as_plain"] = R["same_tokens_as_plain"] and R["g4_1_streams_same_tokens"] and R["g4_3_streams_same_tokens"]
     print(json.dumps(R), flush=True)
     out = Path(os.environ.get("OUT", "."), "gpu_chain_check.json")
     out.write_text(json.dumps(R, indent=1) + "\n")

@@ -170,7 +170,12 @@ def spec(engine, a, R: dict) -> None:
         # how close a step came to its passes run back to back: the verify pass and g drafts
         # (the ideal above prices the verify pass as a decode step)
         step_ms = 1e3 * s["mean_accepted_len"] / s["tokens_per_s"]
+        held, engine.spec_ahead = engine.spec_ahead, None  # the same steps, each waiting for the host
+        w = decode_rate(engine, one, SpecParams("fixed", g), "model", new=a.new) if held is not None else s
+        engine.spec_ahead = held
         out["by_gamma"][g] = {**spec_point(engine, one[0], s, plain, t_dec, g * t_draft),
+                              "waiting_tokens_per_s": w["tokens_per_s"], "same_tokens_as_waiting": w["token_ids"] == s["token_ids"],
+                              "spec_ahead": None if held is None else {"hits": held.hits, "fresh": held.fresh},
                               "draft_ms_per_token": 1e3 * t_draft, "verify_ms": 1e3 * t_verify[g], "step_ms": step_ms,
                               "passes_over_step": 1e3 * (t_verify[g] + g * t_draft) / step_ms}
         log(f"draft model g{g}:", out["by_gamma"][g])

@@ -22,7 +22,7 @@ from cluster.engine.distributed.ranks import ParallelRunner
 from cluster.engine.drafters.base import Drafter, DraftOutput
 from cluster.engine.generate import from_pretrained, run_to_completion
 from cluster.engine.logprobs import accepted_logprobs
-from cluster.engine.observation import StepObservation, observation
+from cluster.engine.observation import StepObservation, engine_stats, observation
 from cluster.engine.requests import RequestLimits, validate_request
 from cluster.engine.sampling import InvalidRequest, SamplingParams
 from cluster.engine.scheduling.hashing import model_seed
@@ -85,12 +85,8 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.kv, mixed=cfg.mixed_prefill and self.runner.can_mix)
         self.drafters, self.default_drafter = drafters or {}, default_drafter
         self.planner = DraftPlanner(self.drafters, default_drafter)
-        # greedy speculative steps launched ahead, with the drafters that can draft for them
-        ahead = {n: d for n, d in self.drafters.items() if getattr(getattr(d, "runner", None), "graphs", None) is not None
-                 and hasattr(d, "launch_ahead")} if cfg.spec_ahead and self.pipeline is not None else {}
-        g = self.pipeline.graphs if ahead else None
-        self.spec_ahead = SpecPipeline(g, ahead, g.capture, g.max_batch, cfg.gamma_max + 1) if ahead else None
-        self.scheduler.ahead_room = 2 * cfg.gamma_max + 2 if ahead else 0
+        self.spec_ahead = SpecPipeline.build(self.pipeline, self.drafters, cfg.gamma_max) if cfg.spec_ahead else None
+        self.scheduler.ahead_room = 2 * cfg.gamma_max + 2 if self.spec_ahead else 0
         self.startup["memory_s"] = time.perf_counter() - t_start  # the KV pool, sized by a pass (compiles)
         if p.device.type == "cuda" or self.runner.graphs is not None:  # compiled pieces, GEMV tuning and graphs now
             self.runner.warm_up(mixed=self.scheduler.mixed)
@@ -293,11 +289,8 @@ class Engine:
         """A greedy speculative step launched ahead (cluster.engine.spec.ahead) where all of
         `rows` can take one; None: the step runs the usual way."""
         seqs, gammas = [s for s, _ in rows], [g for _, g in rows]
-        names = {s.drafter or self.default_drafter for s in seqs}
-        name = names.pop() if len(names) == 1 else None
-        if (self.spec_ahead is None or name not in self.spec_ahead.drafters or not max(gammas)
-                or not all(s.params.greedy for s in seqs) or not self.runner.graphs.eligible(len(seqs), max(gammas) + 1)
-                or not self._pipelined(seqs)):
+        name = self.spec_ahead and self.spec_ahead.drafter_for(seqs, gammas, self.default_drafter)
+        if not name or not self._pipelined(seqs):
             return None
         t0, graphs = time.perf_counter(), self._graphs_captured()
         self.planner.ahead.pop(name, None)  # a look-ahead's guess: these drafts are made on the device
@@ -333,15 +326,16 @@ class Engine:
 
     def _pipelined(self, seqs: list[Sequence]) -> bool:
         """Plain decoding on CUDA graphs runs a step ahead (cluster.engine.worker.pipeline), but
-        not for what that path keeps none of: logits (logprobs), the target's hidden or aux states."""
+        not for what that path keeps none of: logits (logprobs), the hidden or aux states a row's
+        drafter reads (another row's drafter may: Medusa beside the model drafter)."""
         return (self.pipeline is not None and self.pipeline.eligible(seqs)
-                and not any(d.reads_hidden for d in self.drafters.values())
-                and all(s.params.logprobs is None and not self._reads_aux(s) for s in seqs))
+                and all(s.params.logprobs is None and not self._reads_aux(s, hidden=True) for s in seqs))
 
-    def _reads_aux(self, seq: Sequence) -> bool:
-        """This sequence's drafter reads the target's aux hidden states (EAGLE-3)."""
+    def _reads_aux(self, seq: Sequence, hidden: bool = False) -> bool:
+        """This sequence's drafter reads the target's aux hidden states (EAGLE-3), or with
+        `hidden` its last hidden state (Medusa) too."""
         d = self.drafters.get(seq.drafter or self.default_drafter or "")
-        return d is not None and bool(d.aux_layers) and seq.spec.mode != "off"
+        return d is not None and (bool(d.aux_layers) or hidden and d.reads_hidden) and seq.spec.mode != "off"
 
     def _left(self, seq: Sequence) -> int:
         return min(seq.params.max_tokens - seq.num_output, self.max_model_len - len(seq.token_ids))
@@ -371,7 +365,7 @@ class Engine:
                 if lps is not None:  # kept in step with token_ids: a stop below drops the rest of both
                     seq.logprobs.append(lps[i])
                 totals["tokens"] += 1
-                reason = self._stop_reason(seq, t)
+                reason = seq.stop_reason(t, self.eos, self.max_model_len)
                 if reason:
                     seq.finish_reason = reason
                     break
@@ -390,14 +384,6 @@ class Engine:
                 s.hidden = (len(s.token_ids), x)
         return seqs
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        if token == self.eos and not seq.params.ignore_eos:
-            return "eos"
-        if seq.detok.add(token):
-            return "stop"
-        n = len(seq.token_ids)
-        return "length" if n - len(seq.prompt_ids) >= seq.params.max_tokens or n >= self.max_model_len else None
-
     def _release(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         self.totals["aborted" if reason == "abort" else "finished"] += 1
@@ -406,16 +392,9 @@ class Engine:
             d.release([seq.seq_id])
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        ids = seq.token_ids[seq.num_prompt + seq.sent_tokens:]
-        seq.sent_tokens += len(ids)
-        text = seq.detok.delta(final=seq.finished) if self.detokenize or seq.params.stop else None
-        out = RequestOutput(seq.seq_id, ids, text, seq.finished, seq.finish_reason, seq.num_prompt)
-        if seq.params.logprobs is not None:
-            out.logprobs = seq.logprobs[seq.sent_tokens - len(ids):seq.sent_tokens]
         if seq.finished:
-            out.stats = seq.stats.summary(seq.spec.label)
             self.seqs.pop(seq.seq_id, None)
-        return out
+        return seq.output(self.detokenize)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  spec: SpecParams | None = None, drafter: str | None = None) -> list[dict]:
@@ -423,12 +402,4 @@ class Engine:
         return run_to_completion(self, prompts, params, spec, drafter)
 
     def stats(self) -> dict:
-        pool, t, sch = self.kv.pool, self.totals, self.scheduler
-        return {"running": len(sch.running), "waiting": len(sch.waiting),
-                "kv_slots_used": self.kv.rows_used, "kv_slots_total": self.kv.max_rows,
-                "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used,
-                "kv_blocks_cached": pool.num_cached_free, "preemptions": sch.preemptions,
-                "prefix_hit_tokens": sch.prefix_hit_tokens, "prefix_queries": pool.stats.queries,
-                "prefix_hits": pool.stats.hits, "prefix_hit_rate": pool.stats.hit_rate,
-                "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else 0.0, **t,
-                **self.planner.counts}
+        return engine_stats(self)

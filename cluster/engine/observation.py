@@ -40,3 +40,18 @@ def observation(batch: int, verify_tokens: int, verify_s: float, draft_s: float,
     return StepObservation(batch, g, verify_tokens, verify_s, draft_s, sum(num_draft),
                            [sum(a > j for a in num_acc) for j in range(g)],
                            [sum(d > j for d in num_draft) for j in range(g)], pipelined)
+
+
+def engine_stats(engine) -> dict:
+    """Engine.stats(): the KV pool's figures and the engine's counts (metrics, the stats RPC)."""
+    pool, t, sch = engine.kv.pool, engine.totals, engine.scheduler
+    ahead = engine.spec_ahead
+    return {"running": len(sch.running), "waiting": len(sch.waiting),
+            "kv_slots_used": engine.kv.rows_used, "kv_slots_total": engine.kv.max_rows,
+            "kv_blocks_total": pool.num_blocks, "kv_blocks_used": pool.num_used,
+            "kv_blocks_cached": pool.num_cached_free, "preemptions": sch.preemptions,
+            "prefix_hit_tokens": sch.prefix_hit_tokens, "prefix_queries": pool.stats.queries,
+            "prefix_hits": pool.stats.hits, "prefix_hit_rate": pool.stats.hit_rate,
+            "acceptance_rate": t["accepted"] / t["drafted"] if t["drafted"] else 0.0, **t,
+            **engine.planner.counts, "spec_ahead_hits": ahead.hits if ahead else 0,
+            "spec_ahead_fresh": ahead.fresh if ahead else 0}

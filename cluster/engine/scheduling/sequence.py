@@ -136,6 +136,28 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def stop_reason(self, token: int, eos: int | None, max_model_len: int) -> str | None:
+        """Why `token`, just appended, ends this sequence (None: it goes on)."""
+        if token == eos and not self.params.ignore_eos:
+            return "eos"
+        if self.detok.add(token):
+            return "stop"
+        n = len(self.token_ids)
+        return "length" if n - len(self.prompt_ids) >= self.params.max_tokens or n >= max_model_len else None
+
+    def output(self, detokenize: bool) -> "RequestOutput":
+        """What this sequence produced since its last output (a streaming delta); text only
+        with `detokenize` or stop strings."""
+        ids = self.token_ids[self.num_prompt + self.sent_tokens:]
+        self.sent_tokens += len(ids)
+        text = self.detok.delta(final=self.finished) if detokenize or self.params.stop else None
+        out = RequestOutput(self.seq_id, ids, text, self.finished, self.finish_reason, self.num_prompt)
+        if self.params.logprobs is not None:
+            out.logprobs = self.logprobs[self.sent_tokens - len(ids):self.sent_tokens]
+        if self.finished:
+            out.stats = self.stats.summary(self.spec.label)
+        return out
+
 
 @dataclass
 class RequestOutput:

@@ -75,6 +75,26 @@ class SpecPipeline:
         self.dropped_rows = 0  # launched rows no step used (finished, aborted, preempted)
         self.deferred_rows = 0  # rows that joined after a launch and waited a step
 
+    @classmethod
+    def build(cls, pipeline, drafters: dict, gamma_max: int) -> "SpecPipeline | None":
+        """Over the plain pipeline's graphs (cluster.engine.worker.pipeline), with the drafters
+        that can draft for it (a model drafter on graphs); None where there are none."""
+        able = {n: d for n, d in drafters.items()
+                if hasattr(d, "launch_ahead") and getattr(d.runner, "graphs", None) is not None}
+        if pipeline is None or not able:
+            return None
+        g = pipeline.graphs
+        return cls(g, able, g.capture, g.max_batch, gamma_max + 1)
+
+    def drafter_for(self, seqs: list[Sequence], gammas: list[int], default: str | None) -> str | None:
+        """The drafter a step of these rows launched ahead would use; None: no such step (rows
+        of several drafters, sampled rows, no drafts, or no graph of the step's width)."""
+        names = {s.drafter or default for s in seqs}
+        name = names.pop() if len(names) == 1 else None
+        ok = (name in self.drafters and max(gammas) > 0 and all(s.params.greedy for s in seqs)
+              and self.graphs.eligible(len(seqs), max(gammas) + 1))
+        return name if ok else None
+
     def interrupt(self, seqs: list[Sequence] = ()) -> None:
         """A step ran another way: drop any launch ahead (its rows' blocks need no reserve)."""
         if self.ahead is not None:
