@@ -169,8 +169,14 @@ class ModelDrafter(Drafter):
         first = self.runner.model.logits(hidden[:, 1], fp32=False).argmax(-1)
         if k == 1:
             return first[:, None]
-        out = graphs.chain(rows, [0] * len(rows), first, k, lens=lens + 2)
-        return out.clone()  # the graph's buffer: the next chain replays into it
+        if len(rows) <= CHAIN_ROWS:  # the chain graphs captured at warm-up
+            return graphs.chain(rows, [0] * len(rows), first, k, lens=lens + 2).clone()  # its buffer: the next replays into it
+        out, ids = [first], first  # wider: a one-token graph a step, its launches shared by many rows
+        for step in range(k - 1):
+            logits, _ = graphs.launch_rows(rows, 1, ids[:, None], lens + 2 + step)
+            ids = logits[:, 0].argmax(-1)
+            out.append(ids)
+        return torch.stack(out, 1)
 
     def hold(self, seq_id: str, tokens: list[int], n: int) -> None:
         """After a step launched ahead: this row's KV holds `tokens`' first n (launch_ahead's
