@@ -76,7 +76,7 @@ class Scheduler:
         """Give the sequence's blocks back; it is recomputed when blocks allow."""
         self.running.remove(seq)
         self._free(seq)
-        seq.num_cached = 0
+        seq.num_cached, seq.reserve = 0, 0
         seq.status = Status.WAITING
         seq.stats.preemptions += 1
         self.preemptions += 1
