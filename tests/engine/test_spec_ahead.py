@@ -179,3 +179,25 @@ def test_the_drafter_state_after_a_drained_launch_drafts_as_a_fresh_drafter(engi
     e.abort(sid)
     e.abort(late)
     _settled(e)
+
+
+def test_a_failing_drafter_costs_launches_not_tokens(engines, monkeypatch):
+    """The drafter raising in a launch ahead, then in every call: the steps run without a
+    launch, then without drafts (the planner's fallback), and every token is still the
+    waiting engine's."""
+    e = engines[1]
+    spec, prompt = SpecParams("fixed", 3), "def f(x):\n    return"
+    want = engines[0].generate([prompt], _greedy(30), spec)[0]["token_ids"]
+    d = e.drafters["model"]
+    failures = e.spec_ahead.draft_failures
+
+    def broken(*args, **kw):
+        raise RuntimeError("drafter lost")
+
+    monkeypatch.setattr(d, "launch_ahead", broken)
+    assert e.generate([prompt], _greedy(30), spec)[0]["token_ids"] == want
+    assert e.spec_ahead.draft_failures > failures
+    monkeypatch.setattr(d, "launch", broken)
+    monkeypatch.setattr(d, "propose_async", broken)
+    assert e.generate([prompt], _greedy(30), spec)[0]["token_ids"] == want
+    _settled(e)

@@ -28,12 +28,15 @@ waits one step, and the next step starts afresh for all; so does a step after an
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from cluster.engine.scheduling.sequence import Sequence
 from cluster.engine.worker.attention import device_ints
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,6 +77,7 @@ class SpecPipeline:
         self.fresh = 0  # steps that started afresh
         self.dropped_rows = 0  # launched rows no step used (finished, aborted, preempted)
         self.deferred_rows = 0  # rows that joined after a launch and waited a step
+        self.draft_failures = 0  # drafter calls that raised: those steps ran without a launch
 
     @classmethod
     def build(cls, pipeline, drafters: dict, gamma_max: int) -> "SpecPipeline | None":
@@ -158,7 +162,9 @@ class SpecPipeline:
         """A step from the host's state: the drafter's usual call, its drafts left on the device."""
         from cluster.engine.drafters.base import DraftRequest
 
-        pending = d.launch([DraftRequest(s.seq_id, s.token_ids, g, s.params) for s in seqs])
+        pending = self._drafter_call(d.launch, [DraftRequest(s.seq_id, s.token_ids, g, s.params) for s in seqs])
+        if pending is None:
+            return None
         if any(c != g for c in pending.counts):  # a row the drafter had no room for
             pending.finish()  # its state as its own call leaves it
             return None
@@ -179,11 +185,21 @@ class SpecPipeline:
         last = fed.gather(1, num_acc[:, None])  # the last accepted token (rewritten) ...
         bonus = best.gather(1, num_acc[:, None])  # ... and the target's token after it
         start = lens + num_acc  # the last accepted token's position
-        drafts = d.launch_ahead([s.seq_id for s in seqs], [len(s.token_ids) for s in seqs],
-                                torch.cat([last, bonus], 1), start, g)
+        drafts = self._drafter_call(d.launch_ahead, [s.seq_id for s in seqs], [len(s.token_ids) for s in seqs],
+                                    torch.cat([last, bonus], 1), start, g)
         if drafts is None:
             return None
         return self._verify(seqs, torch.cat([bonus, drafts], 1), start + 1, caps)
+
+    def _drafter_call(self, call, *args):
+        """A drafter call; None where it raised. The drafter is disposable: its failure costs a
+        launch ahead (and this step its drafts, cluster.engine.spec.drafting), never a token."""
+        try:
+            return call(*args)
+        except Exception as e:
+            self.draft_failures += 1
+            log.warning("drafter failed (%s); this step runs without a launch ahead", e)
+            return None
 
     def _verify(self, seqs: list[Sequence], fed: torch.Tensor, lens: torch.Tensor, caps: list[int]) -> _Launch:
         """The verify pass over `fed` at `lens` and its acceptance, on the device; the argmax
