@@ -68,10 +68,10 @@ class EngineConfig(BaseModel):
     ahead while the waits their hits save outweigh the waits their misses cost
     (cluster/engine/spec/drafting.py). false turns both off."""
     spec_ahead: bool = True
-    """Greedy speculative steps with a model drafter on CUDA graphs run a step ahead: step n+1
-    drafts and verifies on the GPU from step n's results there while the host reads step n's
-    tokens (cluster.engine.spec.ahead). Tokens are the same either way; false: every
-    speculative step waits for the host."""
+    """Speculative steps with a model drafter on CUDA graphs run a step ahead: step n+1 drafts
+    and verifies on the GPU from step n's results there while the host reads step n's tokens
+    (cluster.engine.spec.ahead; not for rows that ask for logprobs). Greedy tokens, and a
+    seed's, are the same either way; false: every speculative step waits for the host."""
     mixed_prefill: bool = False
     """Run prompts' prefill chunks in the same pass as the decoding rows' verify rows, each
     padded to its own width (Runner.forward_mixed), instead of a prefill step during

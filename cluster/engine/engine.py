@@ -286,7 +286,7 @@ class Engine:
         return accepted + first, obs
 
     def _verify_ahead(self, rows: list[tuple[Sequence, int]]) -> tuple[list[Sequence], StepObservation] | None:
-        """A greedy speculative step launched ahead (cluster.engine.spec.ahead) where all of
+        """A speculative step launched ahead (cluster.engine.spec.ahead) where all of
         `rows` can take one; None: the step runs the usual way."""
         seqs, gammas = [s for s, _ in rows], [g for _, g in rows]
         name = self.spec_ahead and self.spec_ahead.drafter_for(seqs, gammas, self.default_drafter)
@@ -295,7 +295,7 @@ class Engine:
         t0, graphs = time.perf_counter(), self._graphs_captured()
         self.planner.ahead.pop(name, None)  # a look-ahead's guess: these drafts are made on the device
         self.pipeline.interrupt()
-        run, out, num_draft = self.spec_ahead.step(seqs, gammas, name)
+        run, out, num_draft = self.spec_ahead.step(seqs, gammas, [self._left(s) for s in seqs], name)
         if not run:
             return None
         accepted = self._accept(run, out, num_draft)
@@ -342,7 +342,8 @@ class Engine:
 
     @staticmethod
     def _acceptance(seqs: list[Sequence], logits: torch.Tensor, drafts: DraftOutput) -> Accepted:
-        return accept(logits, [s.params for s in seqs], [s.generator for s in seqs], drafts)
+        return accept(logits, [s.params for s in seqs], [s.generator for s in seqs], drafts,
+                      [len(s.token_ids) for s in seqs])
 
     def _accept(self, seqs: list[Sequence], new: list[list[int]], num_draft: list[int],
                 logprobs: list | None = None) -> list[Sequence]:

@@ -1,6 +1,6 @@
-"""Greedy speculative steps launched ahead (cluster.engine.spec.ahead) give the tokens of steps
-that wait for the host, through finishes by EOS, stop strings and length, aborts, late
-arrivals, mixed gammas and preemption, and give every block back.
+"""Speculative steps launched ahead (cluster.engine.spec.ahead) give the tokens of steps that
+wait for the host, greedy and seeded sampled, through finishes by EOS, stop strings and length,
+aborts, late arrivals, mixed gammas and preemption, and give every block back.
 
 The engine under test runs the real GraphRunner, ModelDrafter and SpecPipeline with the CPU
 stand-in for CUDA graphs (cluster.engine.worker.capture.eager_on_cpu); its reference is the
@@ -93,29 +93,42 @@ def test_eos_mid_launch_ends_the_row_without_an_extra_token(engines):
         _settled(e)
 
 
-def test_sampled_rows_and_logprobs_run_the_waiting_way(engines):
-    """Only greedy rows without logprobs launch ahead: a batch with a sampled row steps as
-    before and gives its seed's tokens."""
-    e = engines[1]
-    hits, fresh = e.spec_ahead.hits, e.spec_ahead.fresh
-    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=3), _greedy(12)]
-    want = [engines[0].generate([p], q, SpecParams("fixed", 3))[0]["token_ids"] for p, q in zip(["ab", "cd"], params)]
-    got = [e.generate([p], q, SpecParams("fixed", 3))[0]["token_ids"] for p, q in zip(["ab", "cd"], params)]
-    assert got == want
-    # the greedy request ran ahead, the sampled one did not
-    assert e.spec_ahead.hits > hits and e.spec_ahead.fresh == fresh + 1
-    lp = e.generate(["ab"], _greedy(6, logprobs=1), SpecParams("fixed", 3))[0]
-    assert e.spec_ahead.fresh == fresh + 1 and len(lp["token_ids"]) == 6
+def _sampled(n: int, seed: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.8, seed=seed, ignore_eos=True, **kw)
+
+
+def test_seeded_sampled_rows_run_ahead_with_their_seeds_tokens(engines):
+    """Seeded sampled rows (temperature, top-p, top-k) beside a greedy one run ahead,
+    rejection sampling on the device, and give the waiting engine's tokens through a finish by
+    length, a stop string, an abort and a late arrival (each dropped launch sets its rows'
+    generators back); a row asking for logprobs steps the waiting way."""
+    g3 = SpecParams("fixed", 3)
+    script = {
+        0: [("add", "def f(x):\n    return", _sampled(40, 1), g3), ("add", "abcabc", _sampled(9, 2, top_p=0.9), g3),
+            ("add", "hello there", _sampled(30, 3, top_k=20, stop=["e"]), g3), ("add", "zzz", _greedy(30), g3)],
+        6: [("add", "the quick brown fox", _sampled(20, 4), g3)],  # arrives mid-run
+        11: [("abort", 3)]}
+    p = engines[1].spec_ahead
+    hits, dropped = p.hits, p.dropped_rows
+    want, got = (run(e, script) for e in engines)
+    assert got == want and all(got.values())
+    assert p.hits - hits > 10 and p.dropped_rows - dropped >= 3
+    fresh = p.fresh
+    lp = engines[1].generate(["ab"], _greedy(6, logprobs=1), g3)[0]
+    assert p.fresh == fresh and len(lp["token_ids"]) == 6 and len(lp["logprobs"]) == 6
+    for e in engines:
+        _settled(e)
 
 
 def test_preempted_rows_drop_their_launch_and_recompute(demo_pair):
     """A pool too small for the batch preempts rows a launch covered: their launched rows are
     dropped, they are recomputed later, and no token differs from a roomy engine's."""
     prompts = ["def f(x):\n    return", "abcabc", "hello there", "zzz", "the quick brown fox", "x = [1, 2"]
+    params = [_greedy(40) if i % 2 else _sampled(40, i) for i in range(len(prompts))]  # seeded rows set back
     spec = SpecParams("fixed", 3)
-    roomy = make_engine(demo_pair, False).generate(prompts, _greedy(40), spec)
+    roomy = make_engine(demo_pair, False).generate(prompts, params, spec)
     tight = make_engine(demo_pair, True, kv_blocks=36)
-    out = tight.generate(prompts, _greedy(40), spec)
+    out = tight.generate(prompts, params, spec)
     assert [r["token_ids"] for r in out] == [r["token_ids"] for r in roomy]
     assert tight.scheduler.preemptions > 0 and tight.spec_ahead.hits > 0 and tight.spec_ahead.dropped_rows > 0
     _settled(tight)

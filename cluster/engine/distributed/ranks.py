@@ -290,7 +290,7 @@ class AnnouncedGraphs:
 
     def __init__(self, runner: "ParallelRunner"):
         self.runner, self.inner = runner, runner.graphs
-        self.capture, self.max_batch = self.inner.capture, self.inner.max_batch
+        self.capture, self.max_batch, self.device = self.inner.capture, self.inner.max_batch, self.inner.device
 
     def eligible(self, batch: int, width: int, last_only: bool = False) -> bool:
         return self.inner.eligible(batch, width, last_only)

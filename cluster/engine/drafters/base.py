@@ -189,6 +189,20 @@ def draft_uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return _lsr(_mix(_mix(keys) + positions), 40).float() / 2**24
 
 
+_ACCEPT_SALT = 0x5DEECE66D  # an acceptance test's key apart from its row's draft key
+
+
+def accept_uniforms(params: list[SamplingParams], positions: torch.Tensor) -> torch.Tensor:
+    """The uniforms of the acceptance tests of drafts at `positions` ([B, G] int64 on the
+    device), as draft_uniforms gives the drafts': a hash of the row's seed and the position, not
+    a draw from its generator (unseeded rows: a fresh key each call). A step then draws as many
+    numbers from a row's generator (one Exp(1) vector) whatever its gamma, so a step launched
+    before its row's gamma is known (cluster.engine.spec.ahead) keeps a seed's stream. Each
+    position is tested at most once, and its draft was picked with another key."""
+    keys = [(p.seed ^ _ACCEPT_SALT) % 2**63 if p.seed is not None else random.getrandbits(63) for p in params]
+    return draft_uniforms(device_values(keys, torch.int64, positions.device)[:, None], positions)
+
+
 def pick(top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Each row's draw from its distribution top_p [B, K] (rows sum to 1) by the inverse CDF of
     u [B]: the first index whose cumulative probability passes u, never one of probability 0."""

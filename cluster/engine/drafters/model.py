@@ -147,14 +147,16 @@ class ModelDrafter(Drafter):
 
     @torch.inference_mode()
     def launch_ahead(self, seq_ids: list[str], sizes: list[int], fed: torch.Tensor, lens: torch.Tensor,
-                     k: int) -> torch.Tensor | None:
-        """Greedy drafts for a speculative step launched before the host knows the step before
-        it (cluster.engine.spec.ahead): each row catches up the two tokens `fed` ([B, 2] on
-        the device: the last accepted one, rewritten where it already is, and the one after)
-        at positions `lens` .. `lens` + 1 ([B], on the device), then drafts k from there:
-        [B, k] on the device, on the caller's stream. Every row must hold its KV up to `lens`
-        (its state, `hold`); `sizes`: its tokens as the host knows them, which the step before
-        may grow by up to k + 1. None where a row has no state or room: draft the usual way."""
+                     k: int, params: list) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+        """Drafts for a speculative step launched before the host knows the step before it
+        (cluster.engine.spec.ahead): each row catches up the two tokens `fed` ([B, 2] on the
+        device: the last accepted one, rewritten where it already is, and the one after) at
+        positions `lens` .. `lens` + 1 ([B], on the device), then drafts k from there, greedy
+        or sampled as `_launch` drafts (`params`: each row's SamplingParams). Returns [B, k]
+        drafts, and for sampled batches their [B, k, K] supports and probabilities, on the
+        device, on the caller's stream. Every row must hold its KV up to `lens` (its state,
+        `hold`); `sizes`: its tokens as the host knows them, which the step before may grow by
+        up to k + 1. None where a row has no state or room: draft the usual way."""
         graphs = self.runner.graphs
         if graphs is None or any(sid not in self.state for sid in seq_ids) or len(seq_ids) > self.num_slots:
             return None
@@ -166,17 +168,31 @@ class ModelDrafter(Drafter):
         rows = [h.row for h in handles]
         self.kv.sync()
         _, hidden = graphs.launch_rows(rows, 2, fed, lens)
-        first = self.runner.model.logits(hidden[:, 1], fp32=False).argmax(-1)
-        if k == 1:
-            return first[:, None]
-        if len(rows) <= CHAIN_ROWS:  # the chain graphs captured at warm-up
-            return graphs.chain(rows, [0] * len(rows), first, k, lens=lens + 2).clone()  # its buffer: the next replays into it
-        out, ids = [first], first  # wider: a one-token graph a step, its launches shared by many rows
-        for step in range(k - 1):
-            logits, _ = graphs.launch_rows(rows, 1, ids[:, None], lens + 2 + step)
-            ids = logits[:, 0].argmax(-1)
-            out.append(ids)
-        return torch.stack(out, 1)
+        logits = self.runner.model.logits(hidden[:, 1])
+        at = lens + 2  # the first draft's position
+        if all(p.greedy for p in params):
+            first = logits.argmax(-1)
+            if k == 1:
+                return first[:, None], None, None
+            if len(rows) <= CHAIN_ROWS:  # the chain graphs captured at warm-up (its buffer: the next replays into it)
+                return graphs.chain(rows, [0] * len(rows), first, k, lens=at).clone(), None, None
+            step = lambda ids, i: graphs.launch_rows(rows, 1, ids[:, None], at + i)[0][:, 0]  # noqa: E731
+            out = [first]
+            for i in range(k - 1):  # wider: a one-token graph a step, its launches shared by many rows
+                out.append(step(out[-1], i).argmax(-1))
+            return torch.stack(out, 1), None, None
+        dev = logits.device
+        keys = device_values(draft_keys([DraftRequest(sid, [], k, p) for sid, p in zip(seq_ids, params)]), torch.int64, dev)
+        greedy = device_values([p.greedy for p in params], torch.bool, dev)
+        toks, tis, tps = [], [], []
+        for i in range(k):
+            tok, top_i, top_p = _sample(logits, params, keys, at + i, greedy)
+            toks.append(tok)
+            tis.append(top_i)
+            tps.append(top_p)
+            if i + 1 < k:
+                logits = graphs.launch_rows(rows, 1, tok[:, None], at + i)[0][:, 0].float()
+        return torch.stack(toks, 1), torch.stack(tis, 1), torch.stack(tps, 1)
 
     def hold(self, seq_id: str, tokens: list[int], n: int) -> None:
         """After a step launched ahead: this row's KV holds `tokens`' first n (launch_ahead's
@@ -305,11 +321,8 @@ class ModelDrafter(Drafter):
         at = device_values([len(r.token_ids) for r in reqs], torch.int64, dev)  # the first draft's position
         toks, tis, tps = [], [], []
         for step in range(kmax):
-            probs = target_probs(logits, [r.params for r in reqs])
-            top_p, top_i = probs.topk(min(TOPK, probs.shape[-1]), dim=-1)
-            top_p = top_p / top_p.sum(-1, keepdim=True)
-            j = pick(top_p, draft_uniforms(keys, at + step)).masked_fill(greedy, 0)
-            toks.append(top_i.gather(-1, j[:, None])[:, 0])
+            tok, top_i, top_p = _sample(logits, [r.params for r in reqs], keys, at + step, greedy)
+            toks.append(tok)
             tis.append(top_i)
             tps.append(top_p)
             rows = [b for b, r in enumerate(reqs) if r.k > step + 1]
@@ -363,6 +376,17 @@ class ModelDrafter(Drafter):
             # rows as a device tensor: indexing by a list copies it from pageable memory, which waits for the pass
             logits[device_ints(rows, logits.device)] = part.float()
         return logits
+
+
+def _sample(logits: torch.Tensor, params: list, keys: torch.Tensor, positions: torch.Tensor, greedy: torch.Tensor):
+    """One draft a row from its top-K-truncated distribution by the inverse CDF of the uniform
+    keyed by its seed and the draft's position (draft_uniforms); greedy rows take the argmax:
+    (tokens [B], support [B, K], probabilities [B, K])."""
+    probs = target_probs(logits, params)
+    top_p, top_i = probs.topk(min(TOPK, probs.shape[-1]), dim=-1)
+    top_p = top_p / top_p.sum(-1, keepdim=True)
+    j = pick(top_p, draft_uniforms(keys, positions)).masked_fill(greedy, 0)
+    return top_i.gather(-1, j[:, None])[:, 0], top_i, top_p
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cluster.engine.drafters.base import DraftOutput
+from cluster.engine.drafters.base import DraftOutput, accept_uniforms
 from cluster.engine.sampling import SamplingParams, device_values, draw, fill_draws, rejection_sample, target_probs
 
 
@@ -42,8 +42,10 @@ class Accepted:
 
 
 def accept(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
-           drafts: DraftOutput) -> Accepted:
-    """logits [B, T, V] fp32 at each row's fed positions ([last token] + drafts) -> Accepted."""
+           drafts: DraftOutput, starts: list[int] | None = None) -> Accepted:
+    """logits [B, T, V] fp32 at each row's fed positions ([last token] + drafts) -> Accepted.
+    `starts`: each row's first draft's position (its acceptance tests' uniforms are keyed by
+    position, accept_uniforms; default 0)."""
     trees = drafts.parents or [None] * len(params)
     chain = [b for b, t in enumerate(trees) if t is None]
     tokens: list[list[int]] = [[] for _ in params]
@@ -53,8 +55,9 @@ def accept(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         none = [None] * len(params)  # rows with no drafts carry no proposals
         q = ([(drafts.q_ids or none)[b] for b in chain], [(drafts.q_probs or none)[b] for b in chain])
         rows = logits if len(chain) == len(params) else logits[chain]
+        at = [(starts or [0] * len(params))[b] for b in chain]
         for b, toks in zip(chain, _accept_chains(rows, [params[b] for b in chain], [generators[b] for b in chain],
-                                                 sub, *q)):
+                                                 sub, *q, at)):
             tokens[b], paths[b] = toks, list(range(len(toks) - 1))
     for b, parents in enumerate(trees):
         if parents is not None:
@@ -64,7 +67,7 @@ def accept(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return Accepted(tokens, paths)
 
 
-def _accept_chains(logits, params, generators, drafts, q_ids, q_probs) -> list[list[int]]:
+def _accept_chains(logits, params, generators, drafts, q_ids, q_probs, starts) -> list[list[int]]:
     B, vocab = len(params), logits.shape[-1]
     G = max((len(t) for t in drafts), default=0)
     dev = logits.device
@@ -91,8 +94,8 @@ def _accept_chains(logits, params, generators, drafts, q_ids, q_probs) -> list[l
     q = torch.zeros((B, G, vocab), device=dev).scatter_add_(
         -1, device_values(ids, torch.int64, dev), device_values(probs, torch.float32, dev))
     # greedy rows are one-hot and need no randomness: accept iff p(d) > 0, i.e. d is the argmax.
-    # A row draws for its own drafts only, so its stream does not depend on its batch.
-    uniform = fill_draws(torch.zeros((B, G), device=dev), params, generators, "uniform", [len(t) for t in drafts])
+    # The tests' uniforms are keyed by position: a row's stream holds one vector a step.
+    uniform = accept_uniforms(params, device_values(starts, torch.int64, dev)[:, None] + torch.arange(G, device=dev))
     noise = fill_draws(torch.ones((B, vocab), device=dev), params, generators, "exponential").clamp_(min=1e-20)
     num_draft = device_values([len(t) for t in drafts], torch.int64, dev)
     out, num_acc = rejection_sample(device_values(draft_ids, torch.int64, dev), num_draft, q, p, uniform, noise)
