@@ -148,15 +148,13 @@ class ModelDrafter(Drafter):
     @torch.inference_mode()
     def launch_ahead(self, seq_ids: list[str], sizes: list[int], fed: torch.Tensor, lens: torch.Tensor,
                      k: int, params: list) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
-        """Drafts for a speculative step launched before the host knows the step before it
-        (cluster.engine.spec.ahead): each row catches up the two tokens `fed` ([B, 2] on the
-        device: the last accepted one, rewritten where it already is, and the one after) at
-        positions `lens` .. `lens` + 1 ([B], on the device), then drafts k from there, greedy
-        or sampled as `_launch` drafts (`params`: each row's SamplingParams). Returns [B, k]
-        drafts, and for sampled batches their [B, k, K] supports and probabilities, on the
-        device, on the caller's stream. Every row must hold its KV up to `lens` (its state,
-        `hold`); `sizes`: its tokens as the host knows them, which the step before may grow by
-        up to k + 1. None where a row has no state or room: draft the usual way."""
+        """Drafts for a step launched before the host knows the one before it (cluster.engine.spec.ahead):
+        each row catches up the two tokens `fed` ([B, 2]: the last accepted one, rewritten in
+        place, and the one after) at positions `lens` ([B]), all on the device, then drafts k
+        as `_launch` does (`params`: the rows' SamplingParams). Returns [B, k] drafts and, where
+        rows sample, their [B, k, K] supports and probabilities, on the caller's stream. Rows
+        hold their KV up to `lens` (`hold`); `sizes`: their tokens as the host knows them, which
+        the step before may grow by k + 1. None where a row has no state or room."""
         graphs = self.runner.graphs
         if graphs is None or any(sid not in self.state for sid in seq_ids) or len(seq_ids) > self.num_slots:
             return None
@@ -195,8 +193,8 @@ class ModelDrafter(Drafter):
         return torch.stack(toks, 1), torch.stack(tis, 1), torch.stack(tps, 1)
 
     def hold(self, seq_id: str, tokens: list[int], n: int) -> None:
-        """After a step launched ahead: this row's KV holds `tokens`' first n (launch_ahead's
-        catch-up wrote them, or will before any later pass here reads them)."""
+        """This row's KV holds `tokens`' first n (launch_ahead's catch-up wrote them, or will
+        before any later pass here reads them)."""
         st = self.state.get(seq_id)
         if st is not None:
             self.state[seq_id] = (st[0], _Held(tokens, n, []))
