@@ -63,6 +63,18 @@ def main() -> int:
             R[f"g4_{n}_streams_{'ahead' if on else 'waiting'}_tok_s"] = round(rate, 1)
             R.setdefault(f"g4_{n}_streams_ids", []).append([r["token_ids"] for r in res])
         R[f"g4_{n}_streams_same_tokens"] = R[f"g4_{n}_streams_ids"][0] == R.pop(f"g4_{n}_streams_ids")[1]
+    # seeded sampled rows (rejection sampling on the device): the same seed, ahead and waiting
+    # (equal up to the passes' rounding: their shapes differ), and their tokens/s at 3 streams
+    sampled = [SamplingParams(max_tokens=256, temperature=0.8, seed=i, ignore_eos=True) for i in range(3)]
+    got = {}
+    for on in (True, False):
+        e.spec_ahead = ahead if on else None
+        t = time.perf_counter()
+        res = e.generate(prompts, sampled, SpecParams("fixed", 4), "model")
+        R[f"sampled_g4_3_streams_{'ahead' if on else 'waiting'}_tok_s"] = round(
+            sum(len(r["token_ids"]) for r in res) / (time.perf_counter() - t), 1)
+        got[on] = [r["token_ids"] for r in res]
+    R["sampled_same_tokens"] = got[True] == got[False]
     e.spec_ahead = ahead
     R["same_tokens_as_plain"] = R["same_tokens_as_plain"] and R["g4_1_streams_same_tokens"] and R["g4_3_streams_same_tokens"]
     print(json.dumps(R), flush=True)

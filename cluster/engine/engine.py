@@ -31,7 +31,7 @@ from cluster.engine.scheduling.scheduler import Scheduler
 from cluster.engine.scheduling.sequence import RequestOutput, Sequence, SpecParams
 from cluster.engine.spec.acceptance import Accepted, accept
 from cluster.engine.spec.ahead import SpecPipeline
-from cluster.engine.spec.aux_hidden import accepted_rows, keep_aux
+from cluster.engine.spec.aux_hidden import accepted_rows, keep_aux, keep_hidden
 from cluster.engine.spec.drafting import DraftPlanner
 from cluster.engine.stopping import Detokenizer
 from cluster.engine.worker import fp8
@@ -377,13 +377,7 @@ class Engine:
         return seqs
 
     def _keep_hidden(self, seqs: list[Sequence], hidden: torch.Tensor, ends: list[int] | None = None) -> list[Sequence]:
-        """Keep the target's state at each row's last accepted token (feed index ends[b]) for
-        drafters that read it (DraftRequest.hidden)."""
-        if any(d.reads_hidden for d in self.drafters.values()):
-            h = hidden if ends is None else hidden[torch.arange(len(seqs)), torch.tensor(ends, device=hidden.device)]
-            for s, x in zip(seqs, h):
-                s.hidden = (len(s.token_ids), x)
-        return seqs
+        return keep_hidden(seqs, hidden, ends) if any(d.reads_hidden for d in self.drafters.values()) else seqs
 
     def _release(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

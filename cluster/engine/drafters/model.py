@@ -27,9 +27,9 @@ from cluster.engine.worker.runner import Runner
 
 log = logging.getLogger(__name__)
 CATCHUP = 16  # rows with at most this many new tokens catch up in one pass
-CATCHUP_TOKENS = 8192  # longer rows (new sequences, a return from plain decoding) go in padded
-                       # passes of similar lengths up to this many tokens: one by one, 64 rows
-                       # back from plain decoding cost a drafter pass each
+# longer rows (new sequences, a return from plain decoding) go in padded passes of similar
+# lengths up to this many tokens (one by one, 64 rows back from plain cost a pass each)
+CATCHUP_TOKENS = 8192
 # Catch-up passes up to this many tokens a row replay CUDA graphs (hidden states only; logits
 # at each row's last token): eagerly, a new prompt's Python costs more than a draft step.
 CHUNK = 512
@@ -41,11 +41,10 @@ CHAIN_ROWS = 16
 
 @dataclass
 class _Held:
-    """The tokens a row's KV holds: ref[:n] + tail (the drafts fed), where `ref` is the list the
-    request brought, not a copy: an engine's own token list, which only grows, so that the
-    next call's common prefix is its first n and how far the tail goes on: O(drafts), where
-    comparing whole rows cost ~8 us each, 2 ms a step at 256 rows on a CPU. (A list changed
-    in place would cost drafts their acceptance, never a token: the verifier decides those.)"""
+    """The tokens a row's KV holds: ref[:n] + tail (the drafts fed). `ref` is the request's list,
+    not a copy (an engine's own, which only grows), so the next call's common prefix is its
+    first n and how far the tail goes on: O(drafts), where comparing whole rows cost 2 ms a
+    step at 256 rows on a CPU. (A list changed in place would cost acceptance, never a token.)"""
     ref: list[int]
     n: int
     tail: list[int]
@@ -174,23 +173,19 @@ class ModelDrafter(Drafter):
                 return first[:, None], None, None
             if len(rows) <= CHAIN_ROWS:  # the chain graphs captured at warm-up (its buffer: the next replays into it)
                 return graphs.chain(rows, [0] * len(rows), first, k, lens=at).clone(), None, None
-            step = lambda ids, i: graphs.launch_rows(rows, 1, ids[:, None], at + i)[0][:, 0]  # noqa: E731
             out = [first]
             for i in range(k - 1):  # wider: a one-token graph a step, its launches shared by many rows
-                out.append(step(out[-1], i).argmax(-1))
+                out.append(graphs.launch_rows(rows, 1, out[-1][:, None], at + i)[0][:, 0].argmax(-1))
             return torch.stack(out, 1), None, None
         dev = logits.device
         keys = device_values(draft_keys([DraftRequest(sid, [], k, p) for sid, p in zip(seq_ids, params)]), torch.int64, dev)
         greedy = device_values([p.greedy for p in params], torch.bool, dev)
-        toks, tis, tps = [], [], []
+        drawn = []
         for i in range(k):
-            tok, top_i, top_p = _sample(logits, params, keys, at + i, greedy)
-            toks.append(tok)
-            tis.append(top_i)
-            tps.append(top_p)
+            drawn.append(_sample(logits, params, keys, at + i, greedy))  # (token, support, probabilities)
             if i + 1 < k:
-                logits = graphs.launch_rows(rows, 1, tok[:, None], at + i)[0][:, 0].float()
-        return torch.stack(toks, 1), torch.stack(tis, 1), torch.stack(tps, 1)
+                logits = graphs.launch_rows(rows, 1, drawn[-1][0][:, None], at + i)[0][:, 0].float()
+        return tuple(torch.stack(x, 1) for x in zip(*drawn))
 
     def hold(self, seq_id: str, tokens: list[int], n: int) -> None:
         """This row's KV holds `tokens`' first n (launch_ahead's catch-up wrote them, or will
@@ -282,9 +277,7 @@ class ModelDrafter(Drafter):
 
     def _greedy_chain(self, reqs, kv_rows, lens, logits) -> torch.Tensor:
         """Every row's argmax fed back on the device, step after step: [B, max k] drafts (-1
-        past a row's k). A draft step of a small model is a graph replay of tens of
-        microseconds, which a host round trip per step (argmax to the host, tokens back)
-        would double."""
+        past a row's k); a host round trip a step would double a small model's step."""
         ks = [r.k for r in reqs]
         if len(set(ks)) == 1 and ks[0] > 1 and len(reqs) <= CHAIN_ROWS:  # one graph replay for the chain
             out = self.runner.chain(kv_rows, lens, logits.argmax(-1), ks[0])

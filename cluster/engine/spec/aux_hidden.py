@@ -36,3 +36,12 @@ def accepted_rows(path: list[int]) -> list[int]:
     """Feed indices of a verify row whose target states now stand: the fed last token and the
     accepted drafts (Accepted.paths: a chain's prefix or a tree's path; draft i is feed i + 1)."""
     return [0] + [i + 1 for i in path]
+
+
+def keep_hidden(seqs: list, hidden: torch.Tensor, ends: list[int] | None = None) -> list:
+    """Keep the target's last hidden state at each row's last accepted token (feed index
+    ends[b]; None: hidden is [B, D] already) for drafters that read it (DraftRequest.hidden)."""
+    h = hidden if ends is None else hidden[torch.arange(len(seqs)), torch.tensor(ends, device=hidden.device)]
+    for s, x in zip(seqs, h):
+        s.hidden = (len(s.token_ids), x)
+    return seqs
