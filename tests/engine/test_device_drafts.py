@@ -31,8 +31,10 @@ def models(random_models):
 
 
 def _engine(models, tokenizer, graphs: bool, drafter: str = "model") -> Engine:
+    # steps that wait for the host (a step launched ahead drafts on the device its own way:
+    # tests/engine/test_spec_ahead.py)
     cfg = EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, max_batch_tokens=128, gamma_max=6,
-                       prefill_chunk=32)
+                       prefill_chunk=32, spec_ahead=False)
     with eager_on_cpu() if graphs else nullcontext():
         d = ModelDrafter(models[1], 16, 256) if drafter == "model" else Eagle3Drafter(random_head(models[0], 100), 16, 300)
         e = Engine(models[0], tokenizer, cfg, {drafter: d}, drafter)

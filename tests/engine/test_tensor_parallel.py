@@ -223,19 +223,20 @@ def test_graphs_replay_in_lockstep_on_every_rank(random_models):
     plain and with the draft model, and its seeded samples; every graph rank 0 replayed, the
     follower replayed as often (the same graph each pass, so their collectives pair up), and
     plain and verify widths both ran as graphs. Plain decoding ran launched ahead on both
-    ranks, the follower's launches fed by rank 0's drawn tokens (AnnouncedGraphs), greedy
-    speculative steps too, and sampled verify passes read the draft model's drafts on the
+    ranks, the follower's launches fed by rank 0's drawn tokens (AnnouncedGraphs), speculative
+    steps too, and verify passes that waited for the host read the draft model's drafts on the
     device on both ranks; close freed every graph
     on both ranks."""
     target, draft = random_models["llama"], random_models["llama_draft"]
     want = _rank0("graphs", target, 1, draft, timeout=300)
     got = _rank0("graphs", target, 2, draft, timeout=300)
     assert want["spec"] == want["plain"]
-    for key in ("plain", "spec", "sampled", "sampled_plain"):
+    for key in ("plain", "spec", "sampled", "sampled_waiting", "sampled_plain"):
         assert got[key] == want[key], key
+    assert got["sampled_waiting"] == got["sampled"]  # a seed's tokens, launched ahead or not
     assert got["ahead"]["hits"] > 10 and got["ahead"]["launched"] >= got["ahead"]["hits"], got["ahead"]
-    # greedy speculative steps launched ahead: the follower's verify passes read their rows'
-    # tokens and lengths from rank 0's device (AnnouncedGraphs.launch_rows), step for step
+    # speculative steps launched ahead: the follower's verify passes read their rows' tokens
+    # and lengths from rank 0's device (AnnouncedGraphs.launch_rows), step for step
     assert got["spec_ahead"] == want["spec_ahead"] and got["spec_ahead"]["hits"] > 10, got["spec_ahead"]
     # the draft model's drafts fed the verify passes from rank 0's device, broadcast to the follower's
     assert got["drafts_on_device"] == want["drafts_on_device"] > 10

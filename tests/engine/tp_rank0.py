@@ -96,6 +96,16 @@ def fp8_tokens(e: Engine) -> dict:
             "drafted": sum(r["spec"]["drafted"] for r in spec), "held": list(e.kv.held())}
 
 
+def waiting(e: Engine, fn):
+    """fn() with every speculative step waiting for the host (its drafts fed on the device by
+    the planner, Runner.forward's `carried`), not launched ahead."""
+    held, e.spec_ahead = e.spec_ahead, None
+    try:
+        return fn()
+    finally:
+        e.spec_ahead = held
+
+
 def graph_tokens(target: str, draft: str, tp: int) -> dict:
     """Greedy plain and speculative, and seeded sampled, token ids with CUDA graphs (the CPU
     stand-in, cluster.engine.worker.capture) on every rank; with tp > 1 how often each graph
@@ -111,6 +121,8 @@ def graph_tokens(target: str, draft: str, tp: int) -> dict:
             out = {"plain": [r["token_ids"] for r in e.generate(PROMPTS, GREEDY, SpecParams("off"))],
                    "spec": [r["token_ids"] for r in e.generate(PROMPTS, GREEDY, SpecParams("fixed", 4), "model")],
                    "sampled": [r["token_ids"] for r in e.generate(PROMPTS, SAMPLED, SpecParams("fixed", 2), "model")],
+                   "sampled_waiting": waiting(e, lambda: [r["token_ids"] for r in e.generate(PROMPTS, SAMPLED,
+                                                                                            SpecParams("fixed", 2), "model")]),
                    "sampled_plain": [r["token_ids"] for r in e.generate(PROMPTS, SAMPLED, SpecParams("off"))],
                    "ahead": {"launched": e.pipeline.launched, "hits": e.pipeline.hits},
                    "spec_ahead": {"hits": e.spec_ahead.hits, "fresh": e.spec_ahead.fresh},
