@@ -214,3 +214,22 @@ def test_a_failing_drafter_costs_launches_not_tokens(engines, monkeypatch):
     monkeypatch.setattr(d, "propose_async", broken)
     assert e.generate([prompt], _greedy(30), spec)[0]["token_ids"] == want
     _settled(e)
+
+
+def test_a_launch_whose_rows_all_left_sets_their_seeds_back(engines):
+    """A seeded row preempted while its next step was launched (its only row): the next step
+    starts afresh, and the dropped launch's draws are given back, so the row's tokens are the
+    waiting engine's without the preemption."""
+    prompt, params, spec = "def f(x):\n    return", _sampled(30, 5), SpecParams("fixed", 3)
+    want = engines[0].generate([prompt], params, spec)[0]["token_ids"]
+    e = engines[1]
+    sid = e.add_request(prompt, params, spec)
+    got = []
+    for _ in range(5):
+        got += [t for o in e.step() for t in o.token_ids]
+    assert e.spec_ahead.ahead is not None
+    e.scheduler.preempt(e.seqs[sid])  # as a dry pool does, between steps
+    while e.has_work:
+        got += [t for o in e.step() for t in o.token_ids]
+    assert got == want and e.seqs == {}
+    _settled(e)

@@ -58,9 +58,16 @@ class _Launch:
     copied: object
     # seeded sampled rows: seq_id -> (its generator, the state before this launch drew from it)
     states: dict
-    # seq_id -> (table row, cache length) the row has once this launch's tokens are accepted:
-    # the next step uses the launch after it only where the row is there
+    # seq_id -> `_key` the row has once this launch's tokens are accepted: the next step uses
+    # the launch after it only where the row is there
     keys: dict[str, tuple[int, int]] | None = None
+
+
+def _key(seq: Sequence, ahead: int = 0) -> tuple[int, int, int]:
+    """What a row must still be for a launch to serve it: its table row, its cache length (after
+    `ahead` more tokens) and its preemptions (a preempted row recomputed into new blocks may
+    come back at the same row and length, without the KV the launch wrote)."""
+    return seq.kv.row, seq.num_cached + ahead, seq.stats.preemptions
 
 
 def accept_on_device(logits: torch.Tensor, fed: torch.Tensor, caps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +122,7 @@ class SpecPipeline:
 
     def drafter_for(self, seqs: list[Sequence], gammas: list[int], default: str | None) -> str | None:
         """The drafter a step of these rows launched ahead would use; None: no such step (rows
-        of several drafters, sampled rows, no drafts, or no graph of the step's width)."""
+        of several drafters, no drafts, or no graph of the step's width)."""
         names = {s.drafter or default for s in seqs}
         name = names.pop() if len(names) == 1 else None
         ok = name in self.drafters and max(gammas) > 0 and self.graphs.eligible(len(seqs), max(gammas) + 1)
@@ -152,8 +159,7 @@ class SpecPipeline:
         ahead, self.ahead = self.ahead, None
         idx = [None] * len(seqs)
         if ahead is not None and ahead.keys is not None:
-            idx = [ahead.index.get(s.seq_id) if ahead.keys.get(s.seq_id) == (s.kv.row, s.num_cached) else None
-                   for s in seqs]
+            idx = [ahead.index.get(s.seq_id) if ahead.keys.get(s.seq_id) == _key(s) else None for s in seqs]
         if any(i is not None for i in idx):
             run = [s for s, i in zip(seqs, idx) if i is not None]
             wait = [s for s, i in zip(seqs, idx) if i is None]
@@ -163,7 +169,8 @@ class SpecPipeline:
             self.deferred_rows += len(wait)
             cur, sel = ahead, used
         else:
-            self.interrupt()
+            if ahead is not None:  # none of its rows are here (finished, preempted): set back its draws
+                self._drop(ahead, ahead.index)
             run, wait = seqs, []
             cur = self._fresh(run, max(caps), d, device_ints(caps, self.graphs.device))
             if cur is None:
@@ -182,7 +189,7 @@ class SpecPipeline:
             toks = host[i][: a + 1]
             fed_caps.append(cap)
             tokens.append(toks)
-            keys[s.seq_id] = (s.kv.row, s.num_cached + len(toks))
+            keys[s.seq_id] = _key(s, len(toks))
             # the drafter's KV: every token once the next launch caught up; else through the
             # last accepted draft it was fed (the last draft never is)
             n = len(s.token_ids) + len(toks) if nxt is not None else s.num_cached + min(a, width - 2) + 1

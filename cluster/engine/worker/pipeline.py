@@ -36,7 +36,9 @@ from cluster.engine.worker.attention import device_ints
 
 
 def _key(seq: Sequence, ahead: int = 0) -> tuple:
-    return seq.seq_id, seq.kv.row, seq.num_cached + ahead
+    # preemptions: a row recomputed into new blocks may come back at the same table row and
+    # length, without the K/V the launch wrote
+    return seq.seq_id, seq.kv.row, seq.num_cached + ahead, seq.stats.preemptions
 
 
 @dataclass
