@@ -216,3 +216,22 @@ def test_eos_ends_rows_run_ahead_without_an_extra_token(engines):
     assert piped.pipeline.launched > launched
     for e in engines:
         assert e.kv.held() == (0, 0) and not e.seqs
+
+
+def test_a_row_preempted_between_steps_drops_its_launch(engines):
+    """A row preempted while its next step was launched comes back at the same table row and
+    length after recomputing: it must not take that launch, whose K/V write went with its old
+    blocks; its tokens are plain stepping's without the preemption."""
+    plain, piped = engines
+    prompt, params = "def f(x):\n    return", SamplingParams(max_tokens=30, ignore_eos=True)
+    want = plain.generate([prompt], params, SpecParams("off"))[0]["token_ids"]
+    sid = piped.add_request(prompt, params, SpecParams("off"))
+    got = []
+    for _ in range(5):
+        got += [t for o in piped.step() for t in o.token_ids]
+    assert piped.pipeline.ahead is not None
+    piped.scheduler.preempt(piped.seqs[sid])  # as a dry pool does, between steps
+    while piped.has_work:
+        got += [t for o in piped.step() for t in o.token_ids]
+    assert got == want
+    assert piped.kv.held() == (0, 0) and not piped.seqs
