@@ -225,13 +225,20 @@ def test_a_row_preempted_between_steps_drops_its_launch(engines):
     plain, piped = engines
     prompt, params = "def f(x):\n    return", SamplingParams(max_tokens=30, ignore_eos=True)
     want = plain.generate([prompt], params, SpecParams("off"))[0]["token_ids"]
-    sid = piped.add_request(prompt, params, SpecParams("off"))
-    got = []
-    for _ in range(5):
-        got += [t for o in piped.step() for t in o.token_ids]
-    assert piped.pipeline.ahead is not None
-    piped.scheduler.preempt(piped.seqs[sid])  # as a dry pool does, between steps
-    while piped.has_work:
-        got += [t for o in piped.step() for t in o.token_ids]
-    assert got == want
+    assert preempted_after(piped, 5, prompt, params, SpecParams("off"), lambda: piped.pipeline.ahead) == want
     assert piped.kv.held() == (0, 0) and not piped.seqs
+
+
+def preempted_after(engine: Engine, steps: int, prompt: str, params: SamplingParams, spec: SpecParams, launched
+                    ) -> list[int]:
+    """The tokens of one request preempted after `steps` steps, between two steps, as a dry pool
+    preempts (`launched()` must then show a launch ahead in flight)."""
+    sid = engine.add_request(prompt, params, spec)
+    got = []
+    for _ in range(steps):
+        got += [t for o in engine.step() for t in o.token_ids]
+    assert launched() is not None
+    engine.scheduler.preempt(engine.seqs[sid])
+    while engine.has_work:
+        got += [t for o in engine.step() for t in o.token_ids]
+    return got

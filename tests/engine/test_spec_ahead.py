@@ -16,7 +16,7 @@ from cluster.engine.sampling import SamplingParams
 from cluster.engine.scheduling.sequence import SpecParams
 from cluster.engine.worker.capture import eager_on_cpu
 from cluster.engine.worker.loader import load_model
-from tests.engine.test_pipeline import run
+from tests.engine.test_pipeline import preempted_after, run
 
 
 def make_engine(demo_pair, ahead: bool, kv_blocks: int | None = None) -> Engine:
@@ -223,13 +223,5 @@ def test_a_launch_whose_rows_all_left_sets_their_seeds_back(engines):
     prompt, params, spec = "def f(x):\n    return", _sampled(30, 5), SpecParams("fixed", 3)
     want = engines[0].generate([prompt], params, spec)[0]["token_ids"]
     e = engines[1]
-    sid = e.add_request(prompt, params, spec)
-    got = []
-    for _ in range(5):
-        got += [t for o in e.step() for t in o.token_ids]
-    assert e.spec_ahead.ahead is not None
-    e.scheduler.preempt(e.seqs[sid])  # as a dry pool does, between steps
-    while e.has_work:
-        got += [t for o in e.step() for t in o.token_ids]
-    assert got == want and e.seqs == {}
+    assert preempted_after(e, 5, prompt, params, spec, lambda: e.spec_ahead.ahead) == want
     _settled(e)
