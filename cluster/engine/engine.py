@@ -293,7 +293,7 @@ class Engine:
         if not name or not self._pipelined(seqs):
             return None
         t0, graphs = time.perf_counter(), self._graphs_captured()
-        self.planner.ahead.pop(name, None)  # a look-ahead's guess: these drafts are made on the device
+        self.planner.drop_ahead(name)
         self.pipeline.interrupt()
         run, out, num_draft = self.spec_ahead.step(seqs, gammas, [self._left(s) for s in seqs], name)
         if not run:

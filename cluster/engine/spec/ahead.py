@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cluster.engine.drafters.base import accept_uniforms
+from cluster.engine.drafters.base import DraftRequest, accept_uniforms
 from cluster.engine.sampling import device_values, fill_draws, rejection_sample, target_probs
 from cluster.engine.scheduling.sequence import Sequence
 from cluster.engine.worker.attention import device_ints
@@ -49,18 +49,17 @@ class _Launch:
     """One speculative step on the device, its tokens not read yet."""
     index: dict[str, int]  # seq_id -> its row in this launch
     width: int  # gamma + 1 fed tokens a row
-    caps: torch.Tensor  # [B] drafts each row may accept (its gamma, within its tokens left)
     fed: torch.Tensor  # [B, width] the verify pass's tokens: last token, drafts
     lens: torch.Tensor  # [B] its cache lengths
     best: torch.Tensor  # [B, width] the target's argmax at each fed position
     num_acc: torch.Tensor  # [B] drafts accepted
-    host: torch.Tensor  # [B, width + 2] best, num_acc, caps, on the host once `copied`
+    host: torch.Tensor  # [B, width + 2] best, num_acc, drafts a row could accept; on the host once `copied`
     copied: object
     # seeded sampled rows: seq_id -> (its generator, the state before this launch drew from it)
     states: dict
     # seq_id -> `_key` the row has once this launch's tokens are accepted: the next step uses
     # the launch after it only where the row is there
-    keys: dict[str, tuple[int, int]] | None = None
+    keys: dict[str, tuple[int, int, int]] | None = None
 
 
 def _key(seq: Sequence, ahead: int = 0) -> tuple[int, int, int]:
@@ -165,7 +164,8 @@ class SpecPipeline:
             wait = [s for s, i in zip(seqs, idx) if i is None]
             used = [i for i in idx if i is not None]
             self.hits += 1
-            self._drop(ahead, [sid for sid, i in ahead.index.items() if i not in set(used)])
+            kept = set(used)
+            self._drop(ahead, [sid for sid, i in ahead.index.items() if i not in kept])
             self.deferred_rows += len(wait)
             cur, sel = ahead, used
         else:
@@ -201,8 +201,6 @@ class SpecPipeline:
 
     def _fresh(self, seqs: list[Sequence], g: int, d, caps: torch.Tensor) -> _Launch | None:
         """A step from the host's state: the drafter's usual call, its drafts left on the device."""
-        from cluster.engine.drafters.base import DraftRequest
-
         pending = self._drafter_call(d.launch, [DraftRequest(s.seq_id, s.token_ids, g, s.params) for s in seqs])
         if pending is None:
             return None
@@ -276,5 +274,4 @@ class SpecPipeline:
         host.copy_(torch.cat([best, num_acc[:, None], caps[:, None]], 1), non_blocking=True)
         copied = self.capture.event()
         copied.record()
-        return _Launch({s.seq_id: i for i, s in enumerate(seqs)}, width, caps, fed, lens, best, num_acc, host, copied,
-                       states)
+        return _Launch({s.seq_id: i for i, s in enumerate(seqs)}, width, fed, lens, best, num_acc, host, copied, states)

@@ -155,6 +155,11 @@ class DraftPlanner:
         self.steps += 1
         return out
 
+    def drop_ahead(self, name: str) -> None:
+        """Forget a look-ahead's guessed drafts for drafter `name` (a step that drafts on the
+        device its own way, cluster.engine.spec.ahead, makes them stale)."""
+        self.ahead.pop(name, None)
+
     def ask_ahead(self, rows: list[tuple[Sequence, int]], out: DraftOutput) -> None:
         """Call once this step's verify pass is launched: the next step's drafts, guessed."""
         probe = self.steps % self.probe_every == 0
