@@ -93,7 +93,7 @@ class Engine:
             self.startup.update(getattr(self.runner, "warmup", None) or {})
             t = time.perf_counter()
             for d in self.drafters.values():
-                d.warm_up()
+                d.warm_up(cfg.gamma_max + 1)  # a step asks at most that many (a look-ahead's)
             self.startup["drafters_s"] = time.perf_counter() - t
         self.eos = tokenizer.eos_token_id
         self.seqs: dict[str, Sequence] = {}
@@ -102,8 +102,7 @@ class Engine:
         self.on_verify: Callable[[object], None] | None = None  # StepObservation hook (metrics, autoscaling)
         self.detokenize = True  # False: text only where stop strings need it (cluster.serve.core_client decodes)
         self._ids, self._last_end = itertools.count(), None  # _last_end: the last verify step's end
-        # seconds waiting for drafts / in verify passes (with acceptance) / in mixed ones (prompt
-        # chunks too); requests that ended by finishing (eos, stop, length) / by abort
+        # draft / verify (with acceptance) / mixed seconds as steps observe them (_observe); ends by finishing / abort
         self.totals = {"steps": 0, "prefill_steps": 0, "verify_steps": 0, "drafted": 0, "accepted": 0, "tokens": 0,
                        "finished": 0, "aborted": 0, "draft_s": 0.0, "verify_s": 0.0, "mixed_steps": 0, "mixed_s": 0.0}
 
@@ -189,6 +188,9 @@ class Engine:
         if self._last_end is not None and start - self._last_end < end - start:
             start = self._last_end
         obs.step_s = end - start
+        self.totals["draft_s"] += obs.draft_s
+        self.totals["mixed_s" if obs.prefill_tokens else "verify_s"] += obs.verify_s
+        self.totals["mixed_steps"] += bool(obs.prefill_tokens)
         if self.controller and not obs.captured and not obs.prefill_tokens:
             self.controller.observe(obs)
         if self.on_verify:
@@ -273,9 +275,6 @@ class Engine:
                 first = self._prefilled(chunks, *prefilled)
         t2 = time.perf_counter()
         num_prefill = sum(n for _, n in chunks)
-        self.totals["draft_s"] += t1 - t0 + waited
-        self.totals["mixed_s" if chunks else "verify_s"] += t2 - t1 - waited
-        self.totals["mixed_steps"] += bool(chunks)
         num_draft = [len(d) for d in drafts.tokens]
         obs = observation(len(seqs), sum(map(len, feeds)) + num_prefill, t2 - t1 - waited, t1 - t0 + waited,
                           num_draft, [len(o) - 1 for o in out], pipelined)
@@ -300,8 +299,9 @@ class Engine:
             return None
         accepted = self._accept(run, out, num_draft)
         t1 = time.perf_counter()
-        self.totals["verify_s"] += t1 - t0
-        obs = observation(len(run), sum(num_draft) + len(run), t1 - t0, 0.0, num_draft, [len(o) - 1 for o in out])
+        draft_s = min(self.spec_ahead.draft_s, t1 - t0)  # on the GPU's clock: the host waited for both at once
+        obs = observation(len(run), sum(num_draft) + len(run), t1 - t0 - draft_s, draft_s, num_draft,
+                          [len(o) - 1 for o in out])
         obs.captured = self._graphs_captured() != graphs
         return accepted, obs
 

@@ -22,8 +22,7 @@ def from_pretrained(engine_cls, target: str | Path, draft: str | Path | None, dr
         dm = load_model(draft, dtype, cfg.device)
         if dm.shape.vocab_size != model.shape.vocab_size:
             raise ValueError(f"draft vocab {dm.shape.vocab_size} != target vocab {model.shape.vocab_size}")
-        drafters["model"] = ModelDrafter(dm, cfg.max_num_seqs * 2, cfg.max_model_len, own_stream=cfg.draft_stream,
-                                         max_draft=cfg.gamma_max + 1)
+        drafters["model"] = ModelDrafter(dm, cfg.max_num_seqs * 2, cfg.max_model_len, own_stream=cfg.draft_stream)
     if drafter is not None and drafter not in drafters:
         raise ValueError(f"unknown drafter {drafter!r} (available: {', '.join(drafters)})")
     return engine_cls(model, load_tokenizer(target), cfg, drafters, drafter, identity=str(Path(target).resolve().name))

@@ -40,7 +40,7 @@ def build(random_models, tokenizer, medusa: bool) -> Engine:
         torch.nn.init.normal_(p, std=0.3)
     cfg = EngineConfig(max_num_seqs=8, max_model_len=256, block_size=4, max_batch_tokens=128, gamma_max=6,
                        prefill_chunk=32)
-    drafters = {"ngram": NgramDrafter(), "model": ModelDrafter(draft, 16, 256, max_draft=cfg.gamma_max + 1),
+    drafters = {"ngram": NgramDrafter(), "model": ModelDrafter(draft, 16, 256),
                 "eagle3": Eagle3Drafter(head, 16, 300), "eagle3-tree": Eagle3Drafter(head, 16, 300, tree_width=3)}
     e = Engine(target, tokenizer, cfg, drafters, "model")
     e.drafters["early-exit"] = EarlyExitDrafter(e.runner, 1)
@@ -134,7 +134,7 @@ def test_a_greedy_chain_of_equal_lengths_is_one_graph_replay(engines):
     def chains() -> dict:
         return {k: g.graph.replays for k, g in d_graph.runner.graphs.graphs.items() if k[1] < 0}
 
-    # captured at warm-up: batches up to 16 rows, 2 to gamma_max + 1 drafts (a look-ahead's)
+    # captured at warm-up: batches up to 16 rows, 2 to the engine's gamma_max + 1 drafts (a look-ahead's)
     captured = set(chains())
     assert captured == {(b, -k, None) for b in (1, 2, 4, 8, 16) for k in range(2, 8)}
     ids = [eager.tokenizer.encode(p) for p in PROMPTS[:3]]

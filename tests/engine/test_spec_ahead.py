@@ -225,3 +225,30 @@ def test_a_launch_whose_rows_all_left_sets_their_seeds_back(engines):
     e = engines[1]
     assert preempted_after(e, 5, prompt, params, spec, lambda: e.spec_ahead.ahead) == want
     _settled(e)
+
+
+def test_a_step_launched_ahead_reports_its_drafting_apart(engines, monkeypatch):
+    """A step launched ahead has no host-side split of its time: its drafting is timed on the
+    stream (here the stand-in's clock), so the controller prices gamma by the drafter's cost
+    as it does for waiting steps. A drafter slowed by 20 ms a launch shows in every step that
+    used one, in draft_s and not in verify_s."""
+    import time
+
+    e = engines[1]
+    d, p = e.drafters["model"], e.spec_ahead
+    launch_ahead = d.launch_ahead
+
+    def slow(*args, **kw):
+        time.sleep(0.02)
+        return launch_ahead(*args, **kw)
+
+    monkeypatch.setattr(d, "launch_ahead", slow)
+    seen = []
+    monkeypatch.setattr(e, "on_verify", seen.append)
+    hits, drafted = p.hits, e.totals["draft_s"]
+    e.generate(["def f(x):\n    return"], _greedy(30), SpecParams("fixed", 3))
+    slow_steps = [o for o in seen if o.draft_s >= 0.02]
+    assert p.hits - hits >= 3 and len(slow_steps) >= p.hits - hits
+    assert all(o.verify_s < 0.02 for o in slow_steps)
+    assert e.totals["draft_s"] - drafted >= 0.02 * (p.hits - hits)
+    _settled(e)

@@ -149,8 +149,9 @@ class Drafter(abc.ABC):
         for them: its catch-up after plain steps. 0 where it keeps no state a row."""
         return 0
 
-    def warm_up(self) -> None:
-        """Compile, tune and capture what its steps need, before serving (GPU drafters)."""
+    def warm_up(self, max_draft: int = 0) -> None:
+        """Compile, tune and capture what its steps need, before serving (GPU drafters);
+        `max_draft`: the most tokens a step will ask of it (its engine's gamma_max + 1)."""
 
 
 def empty_rows(tokens: list[list[int]], ids: list, probs: list) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -73,7 +73,7 @@ class Eagle3Drafter(Drafter):
             self.graphs = HeadGraphs(head, self.kv, capture, graph_width)
         self.state: OrderedDict[str, _State] = OrderedDict()  # seq_id -> state, least recently used first
 
-    def warm_up(self) -> None:
+    def warm_up(self, max_draft: int = 0) -> None:
         if self.graphs is not None:
             self.graphs.capture_all(self.kv.max_rows)
 

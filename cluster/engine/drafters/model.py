@@ -78,8 +78,9 @@ class ModelDrafter(Drafter):
 
     def __init__(self, model: CausalLM, num_slots: int = 64, max_len: int = 2048, *, look_ahead: str | None = "auto",
                  own_stream: bool = True, max_draft: int = 0):
-        """max_draft: the longest chain warm_up captures a graph for (a look-ahead drafts gamma_max
-        + 1); longer ones, and every chain where it is 0, are captured on first use."""
+        """max_draft: the longest chain warm_up captures a graph for where no engine tells it
+        (a drafter replica's: a look-ahead drafts gamma_max + 1); longer ones are captured on
+        first use, a stall of every row in the step."""
         s = model.shape
         p = next(model.parameters())
         # Its own stream on a GPU: a draft launched while the target verifies runs beside it
@@ -99,10 +100,11 @@ class ModelDrafter(Drafter):
         self.max_len, self.num_slots, self.max_draft = max_len, num_slots, max_draft
         self.state: OrderedDict[str, tuple[KVHandle, _Held]] = OrderedDict()  # seq_id -> (KV, cached tokens)
 
-    def warm_up(self) -> None:
+    def warm_up(self, max_draft: int = 0) -> None:
         self.runner.warm_up()
-        if self.runner.graphs is not None and self.max_draft > 1:
-            self.runner.graphs.capture_chains(min(CHAIN_ROWS, self.num_slots), self.max_draft)
+        k = max(max_draft, self.max_draft)
+        if self.runner.graphs is not None and k > 1:
+            self.runner.graphs.capture_chains(min(CHAIN_ROWS, self.num_slots), k)
 
     def release(self, seq_ids: list[str]) -> None:
         for sid in seq_ids:

@@ -54,6 +54,10 @@ class _Launch:
     best: torch.Tensor  # [B, width] the target's argmax at each fed position
     num_acc: torch.Tensor  # [B] drafts accepted
     host: torch.Tensor  # [B, width + 2] best, num_acc, drafts a row could accept; on the host once `copied`
+    # timers on the stream: before the drafter's work, before the verify pass, after the copy
+    # (`copied`: once it is done, the step's draft and verify GPU times are known)
+    started: object
+    drafted: object
     copied: object
     # seeded sampled rows: seq_id -> (its generator, the state before this launch drew from it)
     states: dict
@@ -107,6 +111,9 @@ class SpecPipeline:
         self.dropped_rows = 0  # launched rows no step used (finished, aborted, preempted)
         self.deferred_rows = 0  # rows that joined after a launch and waited a step
         self.draft_failures = 0  # drafter calls that raised: those steps ran without a launch
+        # GPU seconds the last step's drafting took (its verify pass and acceptance follow): a
+        # step launched ahead has no host-side split of draft and verify time to read
+        self.draft_s = 0.0
 
     @classmethod
     def build(cls, pipeline, drafters: dict, gamma_max: int) -> "SpecPipeline | None":
@@ -182,6 +189,7 @@ class SpecPipeline:
         for s in seqs:
             s.reserve = 0 if nxt is None or s.seq_id not in nxt.index else 2 * (nxt.width - 1) + 2
         cur.copied.synchronize()
+        self.draft_s = cur.started.elapsed_time(cur.drafted) / 1e3
         host = cur.host.tolist()
         tokens, keys, fed_caps = [], {}, []
         for s, i in zip(run, sel):
@@ -201,6 +209,7 @@ class SpecPipeline:
 
     def _fresh(self, seqs: list[Sequence], g: int, d, caps: torch.Tensor) -> _Launch | None:
         """A step from the host's state: the drafter's usual call, its drafts left on the device."""
+        started = self._timer()
         pending = self._drafter_call(d.launch, [DraftRequest(s.seq_id, s.token_ids, g, s.params) for s in seqs])
         if pending is None:
             return None
@@ -219,7 +228,7 @@ class SpecPipeline:
             for b, (i, pr) in enumerate(zip(res.q_ids, res.q_probs)):
                 ids[b, : len(i), : i.shape[1]], probs[b, : len(i), : i.shape[1]] = i, pr
             q = (device_values(ids, torch.int64, dev), device_values(probs, torch.float32, dev))
-        return self._verify(seqs, fed, lens, caps, q)
+        return self._verify(seqs, fed, lens, caps, started, q)
 
     def _launch(self, cur: _Launch, sel: list[int], seqs: list[Sequence], g: int, caps: list[int],
                 lefts: list[int], d) -> _Launch | None:
@@ -232,6 +241,7 @@ class SpecPipeline:
         last = fed.gather(1, num_acc[:, None])  # the last accepted token (rewritten) ...
         bonus = best.gather(1, num_acc[:, None])  # ... and the target's token after it
         start = lens + num_acc  # the last accepted token's position
+        started = self._timer()
         drafts = self._drafter_call(d.launch_ahead, [s.seq_id for s in seqs], [len(s.token_ids) for s in seqs],
                                     torch.cat([last, bonus], 1), start, g, [s.params for s in seqs])
         if drafts is None:
@@ -240,8 +250,13 @@ class SpecPipeline:
         # a waiting step's gamma: within the tokens the row has left after this step's
         left = device_ints(lefts, dev) - num_acc - 1
         caps_next = torch.minimum(device_ints(caps, dev), left - 1).clamp_(min=0)
-        return self._verify(seqs, torch.cat([bonus, ids], 1), start + 1, caps_next,
+        return self._verify(seqs, torch.cat([bonus, ids], 1), start + 1, caps_next, started,
                             None if top_i is None else (top_i, top_p))
+
+    def _timer(self):
+        t = self.capture.timer()
+        t.record()
+        return t
 
     def _drafter_call(self, call, *args):
         """A drafter call; None where it raised. The drafter is disposable: its failure costs a
@@ -253,13 +268,14 @@ class SpecPipeline:
             log.warning("drafter failed (%s); this step runs without a launch ahead", e)
             return None
 
-    def _verify(self, seqs: list[Sequence], fed: torch.Tensor, lens: torch.Tensor, caps: torch.Tensor, q=None
-                ) -> _Launch:
+    def _verify(self, seqs: list[Sequence], fed: torch.Tensor, lens: torch.Tensor, caps: torch.Tensor, started,
+                q=None) -> _Launch:
         """The verify pass over `fed` at `lens` and its acceptance, on the device; the tokens
         and counts copied to the host behind them. `q`: the drafts' proposals ([B, G, K]
         supports and probabilities) where rows sample: rejection sampling, each seeded row
         drawing from its own generator as a waiting step does (spec.acceptance)."""
         b, width = fed.shape
+        drafted = self._timer()
         logits, _ = self.graphs.launch_rows([s.kv.row for s in seqs], width, fed, lens)
         states = {}
         if q is None:
@@ -272,6 +288,6 @@ class SpecPipeline:
         host = self.buffers[self.launches % 2][: b * (width + 2)].view(b, width + 2)
         self.launches += 1
         host.copy_(torch.cat([best, num_acc[:, None], caps[:, None]], 1), non_blocking=True)
-        copied = self.capture.event()
-        copied.record()
-        return _Launch({s.seq_id: i for i, s in enumerate(seqs)}, width, fed, lens, best, num_acc, host, copied, states)
+        copied = self._timer()
+        return _Launch({s.seq_id: i for i, s in enumerate(seqs)}, width, fed, lens, best, num_acc, host, started,
+                       drafted, copied, states)

@@ -55,7 +55,7 @@ class AttnContext:
     @classmethod
     def build(cls, kv, rows: list[int], cache_lens: list[int], q_lens: list[int], device) -> "AttnContext":
         width = max(q_lens)
-        t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        t = lambda xs: device_ints(xs, device)  # noqa: E731  (a pageable copy would wait for the step queued before)
         rows_t, lens_t, q_t = t(rows), t(cache_lens), t(q_lens)
         pos = lens_t[:, None] + torch.arange(width, device=device)
         src = None

@@ -16,6 +16,7 @@ contexts give every row the cache's full width, which SDPA masks by position.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
@@ -31,6 +32,11 @@ class CudaGraphs:
     @staticmethod
     def event():
         return torch.cuda.Event()
+
+    @staticmethod
+    def timer():
+        """An event that times the stream's work: elapsed_time(later) in ms, once both are done."""
+        return torch.cuda.Event(enable_timing=True)
 
     @staticmethod
     def pool():
@@ -59,6 +65,16 @@ class _Done:
         pass
 
 
+class _Clock(_Done):
+    """The stand-in's timer: eager work is done when its call returns, so the host clock times it."""
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, later: "_Clock") -> float:
+        return 1e3 * (later.t - self.t)
+
+
 class _EagerGraph:
     def __init__(self, body: Callable[[], tuple], out: tuple):
         self.body, self.out = body, out
@@ -85,6 +101,10 @@ class Eager:
     @staticmethod
     def event() -> _Done:
         return _Done()
+
+    @staticmethod
+    def timer() -> _Clock:
+        return _Clock()
 
     @staticmethod
     def pool() -> None:

@@ -99,8 +99,7 @@ class Runner:
             ctx.positions = ctx.cache_lens[:, None] + depth
         assert ctx.max_kv <= self.kv.max_tokens, "past the block table's width"
         w = ctx.width  # one host tensor from padded lists: a tensor a row cost ~4 us each
-        ids = torch.tensor([t if len(t) == w else list(t) + [0] * (w - len(t)) for t in tokens], dtype=torch.int64)
-        ids = ids.to(self.device)
+        ids = device_ints([t if len(t) == w else list(t) + [0] * (w - len(t)) for t in tokens], self.device)
         if carried is not None:
             ids[:, 1:1 + carried.shape[1]] = carried.clamp(min=0)  # 0 past a row's tokens, as the padding
         return self.run(ids, ctx, last_only, num_layers, hidden, aux)
@@ -134,7 +133,7 @@ class Runner:
         ends = torch.cat([seg.start + torch.cumsum(seg.ctx.q_lens, 0) - 1 for seg in segs])
         back = torch.empty(len(order), dtype=torch.int64)
         back[torch.tensor(order)] = torch.arange(len(order))  # the groups hold `order` in turn
-        h_last = h[ends[back.to(self.device)]]
+        h_last = h[ends[device_ints(back, self.device)]]
         logits = self.model.logits(h_last)
         if not aux:
             return (logits, h_last) if hidden else logits
@@ -165,7 +164,7 @@ class Runner:
                 ids += t
         positions = torch.cat([seg.unpad(seg.ctx.positions) for seg in segs])
         taken: list = []
-        h = self.model.forward_segments(torch.tensor(ids, dtype=torch.int64).to(self.device), positions, self.kv,
+        h = self.model.forward_segments(device_ints(ids, self.device), positions, self.kv,
                                         segs, aux=taken if aux else None)
         return segs, h, (taken[0] if taken else None)
 
