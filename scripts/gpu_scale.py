@@ -9,7 +9,8 @@ PARTS (comma-separated, default all):
   64..192 output tokens, c requests in flight over 2c requests (at least 16), plain / fixed gamma 4 /
   goodput on the same requests with prefix caching off, c in LEVELS (default 1,16,64,128,256). Beside each point the workload's roofline: prefill FLOPs
   at the measured bf16 matmul rate, plus decode steps that read the weights and every live
-  sequence's KV at the measured copy bandwidth. GPU time by pass kind (decode, verify and
+  sequence's KV at the measured copy bandwidth, c rows a step; and the closed-loop roofline, the
+  same with the decode steps this client leaves part-empty as requests end (harness.closed_loop_roofline). GPU time by pass kind (decode, verify and
   prefill graph replays, drafter replays, eager target passes: `gpu_by_kind`) and host ms per
   step (step wall time minus all of that GPU time), for each mode.
 - capacity: 256 concurrent 2k-token sequences (1920-token prompts, 128 new tokens), and one
@@ -36,7 +37,8 @@ import time
 import torch
 
 from cluster.bench.load import run_engine, summarise
-from cluster.bench.harness import COMPILE_CACHE, DEMO, copy_bandwidth, log, matmul_rate, roofline, write_json
+from cluster.bench.harness import (COMPILE_CACHE, DEMO, closed_loop_roofline, copy_bandwidth, log, matmul_rate, roofline,
+                                   write_json)
 from cluster.bench.workloads import code_prompts, random_token_prompts
 from cluster.engine.config import EngineConfig
 from cluster.engine.drafters.model import ModelDrafter
@@ -137,6 +139,8 @@ def sweep(engine, R: dict) -> None:
     for c in levels:
         n = max(16, 2 * c)
         point = {"concurrency": c, "requests": n, "roofline_tokens_per_s": roofline([640] * n, lengths[:n], c, R)}
+        point["closed_loop_roofline_tokens_per_s"], point["closed_loop_decode_steps"] = closed_loop_roofline(
+            [640] * n, lengths[:n], c, R)
         warm, reqs = take(c), take(n)
         for name, spec in (("off", SpecParams("off")), ("fixed4", SpecParams("fixed", 4)), ("goodput", SpecParams("auto"))):
             engine.controller = controller if name == "goodput" else None
@@ -157,6 +161,7 @@ def sweep(engine, R: dict) -> None:
             profile(engine, lambda: run_engine(engine, reqs, c, lengths[:n], SpecParams("fixed", 4), temp), c)
         best = max(point["off"]["tokens_per_s"], point["fixed4"]["tokens_per_s"])
         point["off_over_roofline"] = point["off"]["tokens_per_s"] / point["roofline_tokens_per_s"]
+        point["off_over_closed_loop"] = point["off"]["tokens_per_s"] / point["closed_loop_roofline_tokens_per_s"]
         point["goodput_over_best"] = point["goodput"]["tokens_per_s"] / best
         point["kv_blocks"] = {k: engine.stats()[k] for k in ("kv_blocks_total", "kv_blocks_used", "kv_blocks_cached")}
         out.append(point)

@@ -85,6 +85,27 @@ def roofline(prompt_lens: list[int], out_lens: list[int], c: int, R: dict) -> fl
     return sum(out_lens) / (prefill + steps * step_bytes / R["copy_bandwidth"])
 
 
+def closed_loop_roofline(prompt_lens: list[int], out_lens: list[int], c: int, R: dict) -> tuple[float, int]:
+    """roofline's bound for the client that drives the sweep (cluster.bench.load.run_engine: c
+    requests in flight, the next sent as one finishes, none after the last): the same prefill,
+    and one decode step for the live rows at a time, each reading the weights and those rows'
+    KV; a prompt's pass gives its first token. Requests of unequal lengths leave the tail
+    steps part-empty, which `roofline` (c rows every step) does not count.
+    Returns (output tokens/s, decode steps)."""
+    prefill = sum(2 * R["param_count"] * p for p in prompt_lens) / R["matmul_flops"]
+    queue, live, seconds, steps = list(zip(prompt_lens, out_lens)), [], 0.0, 0
+    while queue or live:
+        while queue and len(live) < c:
+            p, n = queue.pop(0)
+            live.append([p + 1, n - 1])  # cached tokens after the prompt's pass, tokens still to decode
+        live = [r for r in live if r[1] > 0]  # a one-token request ends with its prompt's pass
+        if live:
+            seconds += (R["param_bytes"] + sum(r[0] for r in live) * R["kv_bytes_per_token"]) / R["copy_bandwidth"]
+            steps += 1
+            live = [[k + 1, n - 1] for k, n in live if n > 1]  # a finished row's place is free for the next
+    return sum(out_lens) / (prefill + seconds), steps
+
+
 def decode_rate(engine, prompts, spec, drafter=None, new: int = 256) -> dict:
     """Decode tokens/s (after each first token), acceptance and mean accepted length of one
     engine.generate over `prompts`, with the token ids for equality checks."""

@@ -22,6 +22,8 @@ def main(argv=None) -> int:
     plt = figure()
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
     a.plot(c, [p["roofline_tokens_per_s"] for p in pts], "k--", label="workload roofline")
+    if all("closed_loop_roofline_tokens_per_s" in p for p in pts):
+        a.plot(c, [p["closed_loop_roofline_tokens_per_s"] for p in pts], "k:", label="closed-loop roofline")
     for key, label in MODES:
         a.plot(c, [p[key]["tokens_per_s"] for p in pts], "o-", label=label)
         b.plot(c, [p[key]["host_ms_per_step"] for p in pts], "o-", label=label)

@@ -68,3 +68,21 @@ def test_load_sweep_through_the_openai_endpoint(serve_ports, demo_pair, tmp_path
         assert wait_idle(app)["running"] == 0
     finally:
         serve.delete(app)
+
+
+def test_closed_loop_roofline_counts_the_clients_part_empty_steps():
+    """Two requests in flight over three: A (3 tokens) and B (2) take their first tokens from
+    their prompts' passes; B ends after one decode step and C takes its place; then A and C
+    decode their last tokens. Two steps, reading 4 then 5 cached tokens beside the weights
+    (10 bytes), where `roofline` counts 3.5 steps of two rows."""
+    from cluster.bench.harness import closed_loop_roofline, roofline
+
+    R = {"param_count": 0, "matmul_flops": 1.0, "param_bytes": 10, "kv_bytes_per_token": 1, "copy_bandwidth": 1.0}
+    rate, steps = closed_loop_roofline([1, 1, 1], [3, 2, 2], 2, R)
+    assert steps == 2 and rate == 7 / ((10 + 4) + (10 + 5))
+    assert rate > roofline([1, 1, 1], [3, 2, 2], 2, R)
+    # equal lengths: each wave of c requests decodes its tokens after the first in lockstep
+    rate, steps = closed_loop_roofline([5] * 6, [4] * 6, 3, R)
+    assert steps == 2 * 3
+    # a one-token request is all prefill: 2 FLOPs a parameter a prompt token
+    assert closed_loop_roofline([5], [1], 1, {**R, "param_count": 1}) == (1 / 10, 0)
