@@ -78,9 +78,8 @@ class ModelDrafter(Drafter):
 
     def __init__(self, model: CausalLM, num_slots: int = 64, max_len: int = 2048, *, look_ahead: str | None = "auto",
                  own_stream: bool = True, max_draft: int = 0):
-        """max_draft: the longest chain warm_up captures a graph for where no engine tells it
-        (a drafter replica's: a look-ahead drafts gamma_max + 1); longer ones are captured on
-        first use, a stall of every row in the step."""
+        """max_draft: the longest chain warm_up captures where no engine tells it (a drafter
+        replica's: a look-ahead drafts gamma_max + 1); a longer one is captured mid-step."""
         s = model.shape
         p = next(model.parameters())
         # Its own stream on a GPU: a draft launched while the target verifies runs beside it
