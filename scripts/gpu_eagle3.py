@@ -142,7 +142,7 @@ def main(argv=None) -> int:
 
         d = engine.drafters["model-1b"] = ModelDrafter(load_model(resolve_model_path("demo-8b-draft-1b"), torch.bfloat16,
                                                                   "cuda"), 16, 2048)
-        d.warm_up()
+        d.warm_up(engine.cfg.gamma_max + 1)  # as the engine warms its own drafters
         R["models"]["draft_1b"] = "demo-8b-draft-1b"
     R["head"] = {k: v for k, v in vars(engine.drafters["eagle3"].head.cfg).items() if k != "aux_layers"}
     R["head"]["aux_layers"] = list(engine.drafters["eagle3"].head.cfg.aux_layers)
