@@ -40,6 +40,7 @@ from cluster.engine.drafters.base import DraftRequest, accept_uniforms
 from cluster.engine.sampling import device_values, fill_draws, rejection_sample, target_probs
 from cluster.engine.scheduling.sequence import Sequence
 from cluster.engine.worker.attention import device_ints
+from cluster.engine.worker.pipeline import launch_key
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +62,9 @@ class _Launch:
     copied: object
     # seeded sampled rows: seq_id -> (its generator, the state before this launch drew from it)
     states: dict
-    # seq_id -> `_key` the row has once this launch's tokens are accepted: the next step uses
+    # seq_id -> `launch_key` the row has once this launch's tokens are accepted: the next step uses
     # the launch after it only where the row is there
-    keys: dict[str, tuple[int, int, int]] | None = None
-
-
-def _key(seq: Sequence, ahead: int = 0) -> tuple[int, int, int]:
-    """What a row must still be for a launch to serve it: its table row, its cache length (after
-    `ahead` more tokens) and its preemptions (a preempted row recomputed into new blocks may
-    come back at the same row and length, without the KV the launch wrote)."""
-    return seq.kv.row, seq.num_cached + ahead, seq.stats.preemptions
+    keys: dict[str, tuple] | None = None
 
 
 def accept_on_device(logits: torch.Tensor, fed: torch.Tensor, caps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +86,8 @@ def sample_on_device(logits: torch.Tensor, fed: torch.Tensor, lens: torch.Tensor
     dev, vocab = logits.device, logits.shape[-1]
     p = target_probs(logits.reshape(-1, vocab), params, width).view(b, width, vocab)
     top_i, top_p = q
-    q_full = torch.zeros((b, width - 1, vocab), device=dev).scatter_add_(-1, top_i[:, : width - 1], top_p[:, : width - 1])
+    q_full = torch.zeros((b, width - 1, vocab), device=dev)
+    q_full.scatter_add_(-1, top_i[:, : width - 1], top_p[:, : width - 1])
     uniform = accept_uniforms(params, lens[:, None] + 1 + torch.arange(width - 1, device=dev))
     noise = fill_draws(torch.ones((b, vocab), device=dev), params, generators, "exponential").clamp_(min=1e-20)
     return rejection_sample(fed[:, 1:], caps, q_full, p, uniform, noise)
@@ -165,7 +160,7 @@ class SpecPipeline:
         ahead, self.ahead = self.ahead, None
         idx = [None] * len(seqs)
         if ahead is not None and ahead.keys is not None:
-            idx = [ahead.index.get(s.seq_id) if ahead.keys.get(s.seq_id) == _key(s) else None for s in seqs]
+            idx = [ahead.index.get(s.seq_id) if ahead.keys.get(s.seq_id) == launch_key(s) else None for s in seqs]
         if any(i is not None for i in idx):
             run = [s for s, i in zip(seqs, idx) if i is not None]
             wait = [s for s, i in zip(seqs, idx) if i is None]
@@ -197,7 +192,7 @@ class SpecPipeline:
             toks = host[i][: a + 1]
             fed_caps.append(cap)
             tokens.append(toks)
-            keys[s.seq_id] = _key(s, len(toks))
+            keys[s.seq_id] = launch_key(s, len(toks))
             # the drafter's KV: every token once the next launch caught up; else through the
             # last accepted draft it was fed (the last draft never is)
             n = len(s.token_ids) + len(toks) if nxt is not None else s.num_cached + min(a, width - 2) + 1

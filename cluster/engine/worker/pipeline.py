@@ -35,9 +35,11 @@ from cluster.engine.scheduling.sequence import Sequence
 from cluster.engine.worker.attention import device_ints
 
 
-def _key(seq: Sequence, ahead: int = 0) -> tuple:
-    # preemptions: a row recomputed into new blocks may come back at the same table row and
-    # length, without the K/V the launch wrote
+def launch_key(seq: Sequence, ahead: int = 0) -> tuple:
+    """What a row must still be for a step launched ahead to serve it (this pipeline's and
+    cluster.engine.spec.ahead's): its table row, its cache length after `ahead` more tokens,
+    and its preemptions (a row recomputed into new blocks may come back at the same table row
+    and length, without the K/V the launch wrote)."""
     return seq.seq_id, seq.kv.row, seq.num_cached + ahead, seq.stats.preemptions
 
 
@@ -97,7 +99,7 @@ class DecodePipeline:
         # replays read them on the device (Runner.forward syncs its own passes)
         self.graphs.sync_tables()
         ahead, self.ahead = self.ahead, None
-        idx = [ahead.index.get(_key(s)) for s in seqs] if ahead is not None else [None] * len(seqs)
+        idx = [ahead.index.get(launch_key(s)) for s in seqs] if ahead is not None else [None] * len(seqs)
         hit = any(i is not None for i in idx)
         if hit:  # rows the launch covered; the rest wait a step
             run = [s for s, i in zip(seqs, idx) if i is not None]
@@ -127,7 +129,8 @@ class DecodePipeline:
             logits = self.graphs.launch([s.kv.row for s in rows],
                                         [s.num_cached + 1 for s in run] + [s.num_cached for s in wait],
                                         [[0]] * len(run) + [[s.token_ids[-1]] for s in wait], tokens)
-            index = {_key(s, 1): b for b, s in enumerate(run)} | {_key(s): len(run) + b for b, s in enumerate(wait)}
+            index = ({launch_key(s, 1): b for b, s in enumerate(run)}
+                     | {launch_key(s): len(run) + b for b, s in enumerate(wait)})
             states = {key: (g, g.get_state()) for key, b in index.items()  # seeded rows (unseeded: no stream)
                       if not rows[b].params.greedy and (g := rows[b].generator) is not None}
             self.launched += 1
