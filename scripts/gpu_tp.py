@@ -211,9 +211,15 @@ def sweep(engine, a, R: dict) -> None:
         for name, sp in (("off", SpecParams("off")), ("fixed4", SpecParams("fixed", 4)), ("goodput", SpecParams("auto"))):
             engine.controller = controller if name == "goodput" else None
             run_engine(engine, take(c), c, lengths[:c], sp)  # warm-up (and the controller's measurements)
+            trace: list = []  # per step: batch, gamma, drafted, accepted, step ms, draft ms (the controller's inputs)
+            engine.on_verify = lambda o: trace.append(  # noqa: B023 - read before the next mode
+                (o.batch_size, o.gamma, o.drafted, sum(o.accepted_per_position), round(1e3 * o.step_s, 2),
+                 round(1e3 * o.draft_s, 2)))
             point[name] = summarise(*run_engine(engine, take(n), c, lengths[:n], sp))
+            engine.on_verify = None
             if name == "goodput":
                 point[name]["controller"] = controller.snapshot()
+                point[name]["trace"] = trace
         engine.controller = None
         best = max(point["off"]["tokens_per_s"], point["fixed4"]["tokens_per_s"])
         point["goodput_over_best"] = point["goodput"]["tokens_per_s"] / best
