@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -97,6 +98,17 @@ def openai_request(base: str, prompt: str, max_tokens: int) -> int:
     return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0).usage.completion_tokens
 
 
+def ahead_counts(address: str) -> dict:
+    """The verifiers' drafts made ahead so far (GetStats, summed over replicas), once the stats
+    board has taken the replicas' figures since the last request (it reads them every second)."""
+    from cluster.client import Client
+
+    time.sleep(2.0)
+    with Client(address, timeout=60) as c:
+        reps = c.stats().replicas
+    return {k: sum(getattr(r, k) for r in reps) for k in ("ahead_hits", "ahead_misses", "draft_failures")}
+
+
 def measure(a, placement: str, levels: list[int], prompts: list[str], run: dict, write) -> None:
     """One deployment, into `run`: a gRPC and an OpenAI request, then each level at the
     speculation asked for (and plain on the same prompts with --plain)."""
@@ -114,12 +126,16 @@ def measure(a, placement: str, levels: list[int], prompts: list[str], run: dict,
         write()
         for c in levels:
             run_grpc(up.grpc, None, prompts[:c], c, a.new, a.gamma)  # warm-up at this level
+            before = ahead_counts(up.grpc)
             done, wall = run_grpc(up.grpc, None, prompts[:2 * c], c, a.new, a.gamma)
+            after = ahead_counts(up.grpc)
             tokens = sum(len(d.get("token_ids", [])) for d in done)
             drafted = sum(d["spec"]["drafted"] for d in done)
             point = {"concurrency": c, "requests": len(done), "tokens": tokens, "wall_s": round(wall, 2),
                      "tokens_per_s": round(tokens / wall, 1),
-                     "acceptance": round(sum(d["spec"]["accepted"] for d in done) / max(1, drafted), 3)}
+                     "acceptance": round(sum(d["spec"]["accepted"] for d in done) / max(1, drafted), 3),
+                     # rows whose drafts, made ahead during the verify pass before, were used / dropped
+                     **{k: after[k] - before[k] for k in after}}
             if a.plain:
                 base, base_wall = run_grpc(up.grpc, None, prompts[:2 * c], c, a.new, "off")
                 point["plain_tokens_per_s"] = round(sum(len(d.get("token_ids", [])) for d in base) / base_wall, 1)

@@ -172,7 +172,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica", "running", "waiting", "gamma", "acceptance_rate", "verify_tokens", "kv_slots_used", "kv_slots_total", "prefix_hit_rate", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "preemptions", "prefix_hit_tokens")
+    __slots__ = ("replica", "running", "waiting", "gamma", "acceptance_rate", "verify_tokens", "kv_slots_used", "kv_slots_total", "prefix_hit_rate", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "preemptions", "prefix_hit_tokens", "ahead_hits", "ahead_misses", "draft_failures")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,9 @@ class ReplicaStats(_message.Message):
     KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_MISSES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     replica: str
     running: int
     waiting: int
@@ -201,7 +204,10 @@ class ReplicaStats(_message.Message):
     kv_blocks_cached: int
     preemptions: int
     prefix_hit_tokens: int
-    def __init__(self, replica: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., gamma: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., verify_tokens: _Optional[int] = ..., kv_slots_used: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+    ahead_hits: int
+    ahead_misses: int
+    draft_failures: int
+    def __init__(self, replica: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., gamma: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., verify_tokens: _Optional[int] = ..., kv_slots_used: _Optional[int] = ..., kv_slots_total: _Optional[int] = ..., prefix_hit_rate: _Optional[float] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., ahead_hits: _Optional[int] = ..., ahead_misses: _Optional[int] = ..., draft_failures: _Optional[int] = ...) -> None: ...
 
 class Stats(_message.Message):
     __slots__ = ("metrics", "replicas")

@@ -229,3 +229,26 @@ def test_get_stats_reports_the_paged_kv_pool(app):
     assert r.kv_blocks_total * 16 >= 16 * 512  # blocks x block_size, max_num_seqs x max_model_len
     assert 0 <= r.kv_blocks_cached <= r.kv_blocks_total and r.preemptions == 0
     assert stats.metrics["kv_blocks_total"] == r.kv_blocks_total and stats.metrics["kv_blocks_used"] == 0
+
+
+def test_get_stats_reports_drafts_made_ahead(app):
+    """A drafter replica drafts the next step while the verifier verifies this one (on the guess
+    that every draft is accepted): GetStats counts the rows whose guessed drafts were used or
+    dropped, as the engine does. A CPU draft model beside the target has no stream of its own
+    to draft on meanwhile, so colocated there is none."""
+    placement, name, client = app
+    client.generate(PROMPTS[0], max_tokens=MAX_TOKENS, speculation=4)
+    _wait_idle(name)
+    engine = _verifier_stats(name)
+
+    def reported():  # the board takes each replica's stats once a second
+        r = client.stats().replicas
+        return r[0] if len(r) == 1 and r[0].ahead_hits + r[0].ahead_misses >= engine["ahead_hits"] + engine["ahead_misses"] else None
+
+    r = wait_until(reported, 15, "GetStats to report the drafts made ahead")
+    assert (r.ahead_hits, r.ahead_misses, r.draft_failures) == (
+        engine["ahead_hits"], engine["ahead_misses"], engine["draft_failures"])
+    if placement == "disaggregated":
+        assert r.ahead_hits + r.ahead_misses > 0
+    else:
+        assert r.ahead_hits + r.ahead_misses == 0
