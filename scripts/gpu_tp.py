@@ -374,7 +374,9 @@ def main(argv=None) -> int:
         log(f"engine up in {R['start_s']:.0f}s: {rank_bytes / 1e9:.2f} GB a rank, copy {bw / 1e9:.0f} GB/s, "
             f"ceiling {R['ceiling_tokens_per_s']:.1f} tok/s")
         write(a, R)
-        a.prompts, a.plain = code_prompts(8, seed=11), None
+        # PROMPT_SEED / PROMPT_CHARS: another run's prompts (gpu_tp_served's: 9 / 1200)
+        a.prompts = code_prompts(8, chars=int(env("PROMPT_CHARS", "400")), seed=int(env("PROMPT_SEED", "11")))
+        a.plain = None
         for part in a.parts:
             try:
                 {"batch1": batch1, "verify": verify, "spec": spec, "sweep": sweep, "profile": profile}[part](engine, a, R)
