@@ -375,7 +375,8 @@ def main(argv=None) -> int:
             f"ceiling {R['ceiling_tokens_per_s']:.1f} tok/s")
         write(a, R)
         # PROMPT_SEED / PROMPT_CHARS: another run's prompts (gpu_tp_served's: 9 / 1200)
-        a.prompts = code_prompts(8, chars=int(os.environ.get("PROMPT_CHARS", "400")), seed=int(os.environ.get("PROMPT_SEED", "11")))
+        seed, chars = int(os.environ.get("PROMPT_SEED", "11")), int(os.environ.get("PROMPT_CHARS", "400"))
+        a.prompts = code_prompts(8, chars=chars, seed=seed)
         a.plain = None
         for part in a.parts:
             try:
