@@ -11,12 +11,12 @@ Issue 39's comparison, a drafter on its own GPU against the same drafter on rank
 (3 of a 4-GPU host: TP 2 on two, the drafter replica on a third), greedy tokens checked
 against plain on the same deployment:
 
-    TP=2 PLACEMENT=colocated,disaggregated DRAFT=demo-8b-draft-1b GAMMA=4 PLAIN=1 LEVELS=1,8 \
-        MAX_SEQS=8 MAX_LEN=2048 BUNDLE=.device-bundle-multi bash scripts/gpu_py.sh gpu_tp_served.py
+    TP=2 PLACEMENT=colocated,disaggregated DRAFT=demo-8b-target GAMMA=4 PLAIN=1 LEVELS=1,8 \
+        MAX_SEQS=8 MAX_LEN=2048 BUNDLE=.device-bundle-tp bash scripts/gpu_py.sh gpu_tp_served.py
 
-(On H100s TP 2 at the 70B shape fits with 2 GiB of KV a rank, the default here at TP 2, and
-batch buckets up to 8, MAX_SEQS=8; the colocated 1B-shaped drafter adds 2.5 GB and its own KV
-on rank 0.)
+(nvidia-h200-x4: the 8B-shaped drafter colocated adds 16 GB to rank 0's 70.6 GB. On H100s TP 2
+at the 70B shape fits with 2 GiB of KV a rank, the default here at TP 2, and batch buckets up to
+8, MAX_SEQS=8, beside a 1B-shaped drafter at most: DRAFT=demo-8b-draft-1b, 2.5 GB.)
 
 On the GPU the target is demo-70b-target (the demo target in Llama-3.1-70B dimensions) over TP
 ranks and DRAFT (default demo-8b-draft; demo-8b-draft-1b drafts the same tokens at a 1B's step
@@ -145,6 +145,41 @@ def measure(a, placement: str, levels: list[int], prompts: list[str], run: dict,
             write()
 
 
+def plot(R: dict, png: Path) -> None:
+    """tokens/s per level: plain, and each placement speculating (`--replot` redraws it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        log("no matplotlib here: `python3 scripts/gpu_tp_served.py --replot <json>` draws the figure")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = R["runs"]
+    levels = sorted({s["concurrency"] for r in runs.values() for s in r.get("streams", [])})
+    bars = {}
+    for pl, r in runs.items():
+        by = {s["concurrency"]: s for s in r.get("streams", [])}
+        if any("plain_tokens_per_s" in s for s in by.values()) and "plain" not in bars:
+            bars["plain"] = [by.get(c, {}).get("plain_tokens_per_s", 0.0) for c in levels]
+        bars[pl] = [by.get(c, {}).get("tokens_per_s", 0.0) for c in levels]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    w = 0.8 / max(1, len(bars))
+    for i, (name, ys) in enumerate(bars.items()):
+        xs = [j + i * w for j in range(len(levels))]
+        ax.bar(xs, ys, w, label=name)
+        for x, y in zip(xs, ys):
+            ax.annotate(f"{y:.0f}", (x, y), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks([j + w * (len(bars) - 1) / 2 for j in range(len(levels))], [f"{c} streams" for c in levels])
+    ax.set_ylabel("tokens/s (gRPC, greedy)")
+    ax.set_title(f"{R['label']}, draft {R['draft']}, gamma {R['gamma']}: own GPU / colocated {R.get('own_over_colocated', {})}",
+                 fontsize=8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--tp", type=int, default=int(os.environ.get("TP", "4")))
@@ -155,7 +190,9 @@ def main() -> int:
                    help="colocated: the draft model on rank 0's GPU; disaggregated: a drafter replica of its own; "
                         "both, comma-separated: one deployment after the other, compared per level")
     p.add_argument("--draft", default=os.environ.get("DRAFT", "demo-8b-draft"),
-                   help="the draft model on the GPU: demo-8b-draft (tiny) or demo-8b-draft-1b (a 1B's step time)")
+                   help="the draft model on the GPU: demo-8b-draft (tiny), demo-8b-draft-1b (a 1B's step time) or "
+                        "demo-8b-target (an 8B's step time; the same small model as the target, so it drafts the "
+                        "target's tokens almost always)")
     p.add_argument("--gamma", default=os.environ.get("GAMMA", "auto"), help="auto (the config's controller) or a fixed gamma")
     p.add_argument("--plain", action="store_true", default=os.environ.get("PLAIN") == "1",
                    help="also run each level's prompts without speculation: plain tokens/s and greedy equality")
@@ -164,7 +201,11 @@ def main() -> int:
     p.add_argument("--kv-gb", type=float, default=float(os.environ.get("KV_GB", "0")),
                    help="KV pool a rank (GiB); 0: 2 at TP 2, 16 at TP 4, 32 at TP 8")
     p.add_argument("--cpu-smoke", action="store_true")
+    p.add_argument("--replot", metavar="JSON", help="only redraw this result file's figure beside it")
     a = p.parse_args()
+    if a.replot:
+        plot(json.loads(Path(a.replot).read_text()), Path(a.replot).with_suffix(".png"))
+        return 0
     if a.cpu_smoke:
         a.tp, a.levels, a.new, a.max_seqs, a.max_len = 2, "1,2", 8, 8, 512
     a.gamma = int(a.gamma) if a.gamma.isdigit() else a.gamma
@@ -194,6 +235,7 @@ def main() -> int:
     for pl in placements:
         measure(a, pl, levels, prompts, R["runs"].setdefault(pl, {}), write)
         write()
+    plot(R, out.with_suffix(".png"))
     log("wrote", out)
     return 0
 
