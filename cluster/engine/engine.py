@@ -291,17 +291,17 @@ class Engine:
         name = self.spec_ahead and self.spec_ahead.drafter_for(seqs, gammas, self.default_drafter)
         if not name or not self._pipelined(seqs):
             return None
-        t0, graphs = time.perf_counter(), self._graphs_captured()
+        graphs = self._graphs_captured()
         self.planner.drop_ahead(name)
         self.pipeline.interrupt()
         run, out, num_draft = self.spec_ahead.step(seqs, gammas, [self._left(s) for s in seqs], name)
         if not run:
             return None
         accepted = self._accept(run, out, num_draft)
-        t1 = time.perf_counter()
-        draft_s = min(self.spec_ahead.draft_s, t1 - t0)  # on the GPU's clock: the host waited for both at once
-        obs = observation(len(run), sum(num_draft) + len(run), t1 - t0 - draft_s, draft_s, num_draft,
-                          [len(o) - 1 for o in out])
+        # on the GPU's clock: the host waited for both at once, and its wall time can be a launch
+        # already done (1 ms) or two passes' worth (benchmarks/gpu/tp/sweep_h200/trace)
+        obs = observation(len(run), sum(num_draft) + len(run), self.spec_ahead.verify_s, self.spec_ahead.draft_s,
+                          num_draft, [len(o) - 1 for o in out])
         obs.captured = self._graphs_captured() != graphs
         return accepted, obs
 

@@ -228,35 +228,39 @@ def test_a_launch_whose_rows_all_left_sets_their_seeds_back(engines):
 
 
 def test_a_step_launched_ahead_reports_its_drafting_apart(engines, monkeypatch):
-    """A step launched ahead has no host-side split of its time: its drafting is read from
-    the stream's timers (here the stand-in's, on a clock the test moves, so nothing depends on
-    how fast the machine is), not from the host. A launch whose timers say its drafting took
-    longer than the step reports the whole step as drafting; one whose timers say no time
-    reports none, however long its host side took."""
+    """A step launched ahead has no host-side split of its time: its drafting and its verify
+    pass are read from the stream's timers (here the stand-in's, on a clock the test moves, so
+    nothing depends on how fast the machine is), not from the host, whose wall time for such a
+    step can be a launch already done or two passes' worth. Drafting that took an hour on the
+    stream's clock reports an hour and a verify pass that took none reports none, and the other
+    way round, however long the host side took."""
     from cluster.engine.worker import capture
 
     clock = [0.0]
     monkeypatch.setattr(capture._Clock, "record", lambda self: setattr(self, "t", clock[0]))
     e = engines[1]
     d, p = e.drafters["model"], e.spec_ahead
-    launch_ahead = d.launch_ahead
+    launch_ahead, launch_rows = d.launch_ahead, p.graphs.launch_rows
 
-    def slow(*args, **kw):  # a drafter whose work takes an hour on the stream's clock
-        clock[0] += 3600.0
-        return launch_ahead(*args, **kw)
+    def slow(call):  # work that takes an hour on the stream's clock
+        def run(*args, **kw):
+            clock[0] += 3600.0
+            return call(*args, **kw)
+        return run
 
     seen = []
     monkeypatch.setattr(e, "on_verify", seen.append)
     prompt, spec = "def f(x):\n    return", SpecParams("fixed", 3)
-    for drafter, slowed in ((slow, True), (launch_ahead, False)):
-        monkeypatch.setattr(d, "launch_ahead", drafter)
+    for slowed in ("draft", "verify"):
+        monkeypatch.setattr(d, "launch_ahead", slow(launch_ahead) if slowed == "draft" else launch_ahead)
+        monkeypatch.setattr(p.graphs, "launch_rows", slow(launch_rows) if slowed == "verify" else launch_rows)
         seen.clear()
-        hits, drafted = p.hits, e.totals["draft_s"]
+        hits, totals = p.hits, dict(e.totals)
         e.generate([prompt], _greedy(30), spec)
         assert p.hits - hits >= 3
-        used = [o for o in seen if o.draft_s > 0 and o.verify_s == 0]  # all drafting
-        assert len(used) >= (p.hits - hits if slowed else 0) and (slowed or not used)
-        if not slowed:
-            assert all(o.draft_s == 0 and o.verify_s > 0 for o in seen)
-        assert (e.totals["draft_s"] > drafted) == slowed
+        ahead = [o for o in seen if (o.draft_s, o.verify_s) in ((3600.0, 0.0), (0.0, 3600.0))]
+        assert len(ahead) >= p.hits - hits
+        assert all((o.draft_s == 3600.0) == (slowed == "draft") for o in ahead)
+        grown = {k: e.totals[k] - totals[k] for k in ("draft_s", "verify_s")}
+        assert grown["draft_s" if slowed == "draft" else "verify_s"] >= 3600.0 * len(ahead)
     _settled(e)

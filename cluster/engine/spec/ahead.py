@@ -106,9 +106,9 @@ class SpecPipeline:
         self.dropped_rows = 0  # launched rows no step used (finished, aborted, preempted)
         self.deferred_rows = 0  # rows that joined after a launch and waited a step
         self.draft_failures = 0  # drafter calls that raised: those steps ran without a launch
-        # GPU seconds the last step's drafting took (its verify pass and acceptance follow): a
-        # step launched ahead has no host-side split of draft and verify time to read
-        self.draft_s = 0.0
+        # GPU seconds the last step's drafting took, and its verify pass with acceptance and the
+        # copy: a step launched ahead has no host-side split of draft and verify time to read
+        self.draft_s = self.verify_s = 0.0
 
     @classmethod
     def build(cls, pipeline, drafters: dict, gamma_max: int) -> "SpecPipeline | None":
@@ -185,6 +185,7 @@ class SpecPipeline:
             s.reserve = 0 if nxt is None or s.seq_id not in nxt.index else 2 * (nxt.width - 1) + 2
         cur.copied.synchronize()
         self.draft_s = cur.started.elapsed_time(cur.drafted) / 1e3
+        self.verify_s = cur.drafted.elapsed_time(cur.copied) / 1e3
         host = cur.host.tolist()
         tokens, keys, fed_caps = [], {}, []
         for s, i in zip(run, sel):
