@@ -22,7 +22,11 @@ On the GPU the target is demo-70b-target (the demo target in Llama-3.1-70B dimen
 ranks and DRAFT (default demo-8b-draft; demo-8b-draft-1b drafts the same tokens at a 1B's step
 time) drafts on rank 0's GPU (at TP 4 on a 4-GPU host no GPU is left for a drafter of its own);
 `PLACEMENT=disaggregated` puts it in a drafter replica on a GPU of its own; both, comma-separated,
-deploy one after the other and `own_over_colocated` gives the ratio per level. No Redis (kvdir
+deploy one after the other and `own_over_colocated` gives the ratio per level. With PLAIN=1 each
+level also runs plain decoding over the same prompts; where a request's greedy tokens part from
+plain's, one more plain run with log-probabilities gives the target's margin at the first
+difference (`margins`, `max_margin`: a rounding apart is a near-tie). Each level records the
+drafts made ahead that were used and dropped (GetStats' ahead_hits / ahead_misses). No Redis (kvdir
 off), no accelerator_type. `--cpu-smoke`: the demo pair, float32, TP 2 over gloo, 1 and 2 streams
 of 8 tokens: it checks the script, not a speed. Writes gpu_tp_served*.json under --out.
 """
@@ -85,6 +89,28 @@ def agreement(spec: list[dict], plain: list[dict]) -> dict:
     return {"same_tokens_as_plain": same, "requests": len(spec), "first_difference": first}
 
 
+def margins(spec: list[dict], plain: list[dict]) -> dict:
+    """Where a request's greedy tokens part from plain decoding's (a plain run with
+    log-probabilities), by how much the target preferred plain's token there: its two best
+    log-probabilities' gap, and plain's token's over the speculative one's (None: not among the
+    two best, a gap no rounding explains). A rounding apart is a near-tie; whole logits, a bug."""
+    base = {d["prompt_index"]: d for d in plain}
+    out = {}
+    for d in spec:
+        p = base.get(d["prompt_index"], {})
+        mine, theirs = [int(t) for t in d.get("token_ids", [])], [int(t) for t in p.get("token_ids", [])]
+        i = next((j for j, (x, y) in enumerate(zip(mine, theirs)) if x != y), None)
+        if i is None or i >= len(p.get("logprobs", [])):
+            continue
+        top = {int(t["token_id"]): t["logprob"] for t in p["logprobs"][i].get("top", [])}
+        best = sorted(top.values(), reverse=True)
+        both = mine[i] in top and theirs[i] in top
+        out[d["prompt_index"]] = {"at": i, "top2_margin": best[0] - best[1] if len(best) > 1 else None,
+                                  "plain_minus_spec": top[theirs[i]] - top[mine[i]] if both else None}
+    gaps = [m["plain_minus_spec"] for m in out.values()]
+    return {"margins": out, "max_margin": None if None in gaps else max(gaps, default=0.0)}
+
+
 def openai_request(base: str, prompt: str, max_tokens: int) -> int:
     """One completion through the OpenAI API: with the official client where installed."""
     try:
@@ -140,6 +166,9 @@ def measure(a, placement: str, levels: list[int], prompts: list[str], run: dict,
                 base, base_wall = run_grpc(up.grpc, None, prompts[:2 * c], c, a.new, "off")
                 point["plain_tokens_per_s"] = round(sum(len(d.get("token_ids", [])) for d in base) / base_wall, 1)
                 point.update(agreement(done, base))
+                if point["first_difference"]:  # plain again with log-probabilities: the margins there
+                    lp, _ = run_grpc(up.grpc, None, prompts[:2 * c], c, a.new, "off", logprobs=2)
+                    point.update(margins(done, lp))
             run.setdefault("streams", []).append(point)
             log(placement, "streams", point)
             write()

@@ -90,7 +90,10 @@ def run_engine(engine, prompts, concurrency: int, max_tokens: int | list[int], s
     return done, time.perf_counter() - t0
 
 
-def run_grpc(address: str, application: str | None, prompts, concurrency: int, max_tokens: int, speculation):
+def run_grpc(address: str, application: str | None, prompts, concurrency: int, max_tokens: int, speculation,
+             logprobs: int | None = None):
+    """Keep `concurrency` gRPC requests in flight until every prompt is answered (with each
+    token's log-probability and `logprobs` alternatives where set): (replies, wall seconds)."""
     from google.protobuf.json_format import MessageToDict
 
     from cluster.client import Client
@@ -105,7 +108,7 @@ def run_grpc(address: str, application: str | None, prompts, concurrency: int, m
                         return
                     i, p = queue.pop(0)
                 r = c.generate(p if isinstance(p, str) else " ".join(map(str, p)), max_tokens=max_tokens,
-                               speculation=speculation)
+                               speculation=speculation, logprobs=logprobs)
                 d = MessageToDict(r, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
                 for k in ("drafted", "accepted", "verify_steps"):  # int64: JSON mapping gives strings
                     d["spec"][k] = int(d["spec"][k])
