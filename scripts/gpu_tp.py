@@ -376,8 +376,7 @@ def main(argv=None) -> int:
         write(a, R)
         # PROMPT_SEED / PROMPT_CHARS: another run's prompts (gpu_tp_served's: 9 / 1200)
         seed, chars = int(os.environ.get("PROMPT_SEED", "11")), int(os.environ.get("PROMPT_CHARS", "400"))
-        a.prompts = code_prompts(8, chars=chars, seed=seed)
-        a.plain = None
+        a.prompts, a.plain = code_prompts(8, chars=chars, seed=seed), None
         for part in a.parts:
             try:
                 {"batch1": batch1, "verify": verify, "spec": spec, "sweep": sweep, "profile": profile}[part](engine, a, R)
