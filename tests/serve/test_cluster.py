@@ -243,7 +243,8 @@ def test_get_stats_reports_drafts_made_ahead(app):
 
     def reported():  # the board takes each replica's stats once a second
         r = client.stats().replicas
-        return r[0] if len(r) == 1 and r[0].ahead_hits + r[0].ahead_misses >= engine["ahead_hits"] + engine["ahead_misses"] else None
+        made = engine["ahead_hits"] + engine["ahead_misses"]
+        return r[0] if len(r) == 1 and r[0].ahead_hits + r[0].ahead_misses >= made else None
 
     r = wait_until(reported, 15, "GetStats to report the drafts made ahead")
     assert (r.ahead_hits, r.ahead_misses, r.draft_failures) == (

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from cluster.engine.sampling import device_values
+from cluster.engine.worker.attention import device_ints
 
 # Positions a sequence keeps unsent at most: one decoding without drafts for a long time (its
 # controller chose gamma 0) would otherwise hold every position's aux states. Past it the
@@ -43,7 +43,7 @@ def accepted_rows(path: list[int]) -> list[int]:
 def keep_hidden(seqs: list, hidden: torch.Tensor, ends: list[int] | None = None) -> list:
     """Keep the target's last hidden state at each row's last accepted token (feed index
     ends[b]; None: hidden is [B, D] already) for drafters that read it (DraftRequest.hidden)."""
-    h = hidden if ends is None else hidden[torch.arange(len(seqs)), device_values(ends, torch.int64, hidden.device)]
+    h = hidden if ends is None else hidden[torch.arange(len(seqs)), device_ints(ends, hidden.device)]
     for s, x in zip(seqs, h):
         s.hidden = (len(s.token_ids), x)
     return seqs
