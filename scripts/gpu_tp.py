@@ -211,10 +211,10 @@ def sweep(engine, a, R: dict) -> None:
         for name, sp in (("off", SpecParams("off")), ("fixed4", SpecParams("fixed", 4)), ("goodput", SpecParams("auto"))):
             engine.controller = controller if name == "goodput" else None
             run_engine(engine, take(c), c, lengths[:c], sp)  # warm-up (and the controller's measurements)
-            trace: list = []  # per step: batch, gamma, drafted, accepted, step ms, draft ms (the controller's inputs)
+            trace: list = []  # per step: batch, gamma, drafted, accepted, step ms, draft ms, tok/s by gamma as weighed
             engine.on_verify = lambda o: trace.append(  # noqa: B023 - read before the next mode
                 (o.batch_size, o.gamma, o.drafted, sum(o.accepted_per_position), round(1e3 * o.step_s, 2),
-                 round(1e3 * o.draft_s, 2)))
+                 round(1e3 * o.draft_s, 2), [round(x) for x in controller.goodputs_seen]))
             point[name] = summarise(*run_engine(engine, take(n), c, lengths[:n], sp))
             engine.on_verify = None
             if name == "goodput":

@@ -126,6 +126,7 @@ class GoodputController(BaseController):
         self._run_s = 0.0  # all steps' seconds, fading the same way
         self._last = min(cfg.gamma, gmax)
         self._expected = self._expected_tokens()
+        self.goodputs_seen: list[float] = []  # the tokens/s by gamma the last choice weighed (traces)
 
     # --- learning -------------------------------------------------------------
     def observe(self, obs: StepObservation) -> None:
@@ -348,7 +349,7 @@ class GoodputController(BaseController):
             self._last = cfg.gamma if v[cfg.gamma] > v[0] else 0
             return self._last
         c = max(1.0, self.concurrency(batch_size, cluster_inflight))
-        v = self.goodputs(c)
+        v = self.goodputs_seen = self.goodputs(c)
         probe = self._probe(v, c)
         if probe is not None:
             return probe
