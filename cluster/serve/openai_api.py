@@ -357,6 +357,9 @@ class OpenAIRoutes:
 
 def _usage(finals: list, counts: list[int], n: int) -> dict:
     """Each prompt counts once however many choices it has (OpenAI's usage)."""
-    prompt = sum(out.num_prompt for i, out in enumerate(finals) if out is not None and i % n == 0)
+    firsts = [out for i, out in enumerate(finals) if out is not None and i % n == 0]
+    prompt = sum(out.num_prompt for out in firsts)
     completion = sum(counts)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    cached = sum((out.stats or {}).get("cached_tokens", 0) for out in firsts)  # vLLM's and OpenAI's field
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

@@ -100,6 +100,7 @@ class Router(OpenAIRoutes):
                     if out.finished:
                         _finish(resp, out.stats["spec"], out.stats["timing"], out.finish_reason)
                         resp.prompt_tokens = out.num_prompt
+                        resp.cached_tokens = out.stats.get("cached_tokens", 0)
                         resp.replica = getattr(out, "replica", "")  # set by Verifier.generate
         except Exception as e:  # noqa: BLE001 - never a raw traceback to the client
             _set_status(grpc_context, e if isinstance(e, RequestError) else internal_error(e, "router"))
@@ -114,6 +115,8 @@ class Router(OpenAIRoutes):
                                              logprobs=_logprobs(out))
                     if out.finished:
                         _finish(chunk, out.stats["spec"], out.stats["timing"], out.finish_reason)
+                        chunk.prompt_tokens, chunk.cached_tokens = out.num_prompt, out.stats.get("cached_tokens", 0)
+                        chunk.replica = getattr(out, "replica", "")
                     yield chunk
         except Exception as e:  # noqa: BLE001 - never a raw traceback to the client
             error = e if isinstance(e, RequestError) else internal_error(e, "router")

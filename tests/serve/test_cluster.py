@@ -253,3 +253,16 @@ def test_get_stats_reports_drafts_made_ahead(app):
         assert r.ahead_hits + r.ahead_misses > 0
     else:
         assert r.ahead_hits + r.ahead_misses == 0
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(app):
+    """The final response and the stream's final chunk say how many prompt tokens the replica's
+    prefix cache served (OpenAI's `cached_tokens`): none for a new prompt, every full block but
+    the last token's for the same prompt again, from the replica that served both."""
+    _, name, client = app
+    prompt = f"# {name}: cached tokens\n" + "".join(f"x{i} = {i}\n" for i in range(24))
+    first = client.generate(prompt, max_tokens=4)
+    assert first.cached_tokens == 0 and first.prompt_tokens > 48
+    *_, final = client.generate_stream(prompt, max_tokens=4)
+    assert final.final and final.prompt_tokens == first.prompt_tokens and final.replica == first.replica
+    assert final.cached_tokens == 16 * ((first.prompt_tokens - 1) // 16)

@@ -118,7 +118,8 @@ def test_stop_string(oai):
 
 
 def test_chat_stream_and_usage(oai):
-    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    system = "You write short, correct Python functions with docstrings and type hints, and nothing else."
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "def add(a, b):"}]
     r = oai.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=MAX_TOKENS)
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
@@ -128,6 +129,9 @@ def test_chat_stream_and_usage(oai):
     assert text == r.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    # the same prompt again on the one verifier replica: every full block but the last token's is cached
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert r.usage.prompt_tokens > 16 and cached == 16 * ((r.usage.prompt_tokens - 1) // 16)
 
 
 @pytest.fixture(scope="module")

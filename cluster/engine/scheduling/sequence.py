@@ -155,7 +155,9 @@ class Sequence:
         if self.params.logprobs is not None:
             out.logprobs = self.logprobs[self.sent_tokens - len(ids):self.sent_tokens]
         if self.finished:
-            out.stats = self.stats.summary(self.spec.label)
+            # a preempted row readmitted may hit on its own output's blocks: count the prompt's only
+            cached = min(self.stats.prefix_hit_tokens, self.num_prompt)
+            out.stats = {**self.stats.summary(self.spec.label), "cached_tokens": cached}
         return out
 
 
