@@ -177,7 +177,11 @@ class KVDirSection(_Strict):
     each as a fraction of the replica's capacity (max_num_seqs, max_batch_tokens)."""
     max_imbalance: float = Field(2.0, ge=1)
     """Never route to a replica running more than this multiple of the least-loaded
-    replica's sequences + 1, however much of the prompt it holds."""
+    replica's sequences and more than `imbalance_abs` beyond them, however much of the prompt
+    it holds."""
+    imbalance_abs: float = Field(8.0, ge=0)
+    """Sequences a replica may run beyond the least-loaded one's before max_imbalance can
+    leave it out: a few rows more cost a batched step little, a miss its whole prefill."""
     routing_stats_period_s: float = Field(1.0, gt=0)
     """How often Serve collects each verifier's load (record_routing_stats) for the router."""
     routing: Literal["cache_aware", "power_of_two"] = "cache_aware"

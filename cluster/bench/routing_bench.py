@@ -84,7 +84,7 @@ def measure(client: Client, app: str, replicas: int, prompts: list[str], reqs, c
             max_tokens: int, desc: str) -> dict:
     """One phase at a fixed concurrency: client TTFT and the phase's block hit rate."""
     before = prefix_counts(app, replicas)
-    ttft, server_ttft = [], []
+    ttft, server_ttft, rows = [], [], []  # rows: per request, what its TTFT is made of
     lock = threading.Lock()
     bar = tqdm(total=len(reqs), desc=desc, leave=False)
 
@@ -99,6 +99,9 @@ def measure(client: Client, app: str, replicas: int, prompts: list[str], reqs, c
                 with lock:
                     ttft.append(1e3 * first)
                     server_ttft.append(chunk.timing.ttft_ms)
+                    rows.append({"ttft_ms": round(1e3 * first, 2), "server_ttft_ms": round(chunk.timing.ttft_ms, 2),
+                                 "replica": chunk.replica, "prompt_tokens": chunk.prompt_tokens,
+                                 "cached_tokens": chunk.cached_tokens})
         bar.update()
 
     t0 = time.perf_counter()
@@ -118,7 +121,19 @@ def measure(client: Client, app: str, replicas: int, prompts: list[str], reqs, c
             "ttft_ms_p50": float(np.percentile(t, 50)), "ttft_ms_p99": float(np.percentile(t, 99)),
             "ttft_ms_mean": float(t.mean()), "server_ttft_ms_p50": float(np.percentile(server_ttft, 50)),
             "server_ttft_ms_p99": float(np.percentile(server_ttft, 99)),
-            "hit_rate": h / q if q else 0.0, "requests_per_s": len(ttft) / wall, "per_replica": per_replica}
+            "hit_rate": h / q if q else 0.0, "requests_per_s": len(ttft) / wall, "per_replica": per_replica,
+            **breakdown(rows), "requests_detail": rows}
+
+
+def breakdown(rows: list[dict]) -> dict:
+    """TTFT p50 of the requests whose prompt the cache mostly served (hits) and of the rest, and
+    the path outside the engine (client TTFT less the engine's): what routing can and cannot change."""
+    hit = [r for r in rows if 2 * r["cached_tokens"] >= r["prompt_tokens"]]
+    miss = [r for r in rows if 2 * r["cached_tokens"] < r["prompt_tokens"]]
+    p50 = lambda xs: float(np.percentile(xs, 50)) if xs else None  # noqa: E731
+    return {"hits": len(hit), "misses": len(miss), "ttft_ms_p50_hits": p50([r["ttft_ms"] for r in hit]),
+            "ttft_ms_p50_misses": p50([r["ttft_ms"] for r in miss]),
+            "path_ms_p50": p50([r["ttft_ms"] - r["server_ttft_ms"] for r in rows])}
 
 
 def run_mode(base: dict, mode: str, kv_cache_gb: float, prompts: list[str], reqs, args,
@@ -151,7 +166,8 @@ def run_mode(base: dict, mode: str, kv_cache_gb: float, prompts: list[str], reqs
             tqdm.write(f"{mode:13s} kv={kv_cache_gb:g} GiB ({blocks} blocks) c={c}  TTFT p50 "
                        f"{r['ttft_ms_p50']:6.1f} ms  p99 "
                   f"{r['ttft_ms_p99']:6.1f} ms  mean {r['ttft_ms_mean']:6.1f} ms  server p50 "
-                  f"{r['server_ttft_ms_p50']:5.1f} ms  hit rate {100 * r['hit_rate']:5.1f}%")
+                  f"{r['server_ttft_ms_p50']:5.1f} ms  hit rate {100 * r['hit_rate']:5.1f}%  "
+                  f"hits/misses {r['hits']}/{r['misses']}  path p50 {r['path_ms_p50']:5.1f} ms")
     finally:
         client.close()
         serve.delete(app)

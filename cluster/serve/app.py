@@ -42,7 +42,7 @@ def request_router_config(cfg: ClusterConfig) -> RequestRouterConfig:
         request_router_kwargs={
             "cluster": cfg.name, "model": cfg.models.target, "url": k.url, "ttl_s": k.ttl_s,
             "block_size": e.block_size, "overlap_weight": k.overlap_weight, "load_weight": k.load_weight,
-            "max_imbalance": k.max_imbalance, "max_num_seqs": e.max_num_seqs,
+            "max_imbalance": k.max_imbalance, "imbalance_abs": k.imbalance_abs, "max_num_seqs": e.max_num_seqs,
             "max_batch_tokens": e.max_batch_tokens},
         request_routing_stats_period_s=k.routing_stats_period_s)
 

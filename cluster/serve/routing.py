@@ -41,6 +41,7 @@ class RoutingPolicy:
     overlap_weight: float = 1.0
     load_weight: float = 1.0
     max_imbalance: float = 2.0
+    imbalance_abs: float = 8.0
     # a replica's capacity; the defaults are the engine's (cluster.engine.config), set per
     # deployment from its engine config (cluster.serve.app.request_router_config)
     max_num_seqs: int = EngineConfig.model_fields["max_num_seqs"].default
@@ -54,13 +55,17 @@ class RoutingPolicy:
              rng: random.Random | None = None) -> tuple[list[str], str]:
         """Replica ids best first, and the reason for the first.
 
-        score = overlap_weight * overlap_fraction - load_weight * load_norm. A replica with
-        more than max_imbalance * (least sequences) + 1 sequences is left out, so one hot
-        prefix spills onto other replicas instead of queueing on its holder. The least
-        loaded replica always qualifies, so the ranking is never empty. Equal scores are
-        broken at random, so new prefixes spread over idle replicas.
+        score = overlap_weight * overlap_fraction - load_weight * load_norm. A replica running
+        more than max_imbalance times the least loaded one's sequences, and more than
+        imbalance_abs sequences beyond them, is left out, so one hot prefix spills onto other
+        replicas instead of queueing on its holder (SGLang's router tests the same two
+        thresholds). Both, because a few sequences more cost a step little while a miss costs
+        its whole prefill: with "+ 1" alone a holder of 2 was left out beside an idle replica.
+        The least loaded replica always qualifies, so the ranking is never empty. Equal scores
+        are broken at random, so new prefixes spread over idle replicas.
         """
-        bound = self.max_imbalance * min(r.sequences for r in loads) + 1
+        least = min(r.sequences for r in loads)
+        bound = max(self.max_imbalance * least, least + self.imbalance_abs)
         eligible = [r for r in loads if r.sequences <= bound]
         (rng or random).shuffle(eligible)
 

@@ -44,9 +44,11 @@ def test_verify_tokens_count_as_load():
     assert order[0] == "r1"
 
 
-@pytest.mark.parametrize("least,hot,allowed", [(0, 1, True), (0, 2, False), (3, 7, True), (3, 8, False)])
+@pytest.mark.parametrize("least,hot,allowed", [(0, 2, True), (0, 8, True), (0, 9, False), (3, 11, True),
+                                                (3, 12, False), (10, 20, True), (10, 21, False)])
 def test_imbalance_bound(least, hot, allowed):
-    """A replica over max_imbalance * least + 1 sequences is never chosen, whatever it holds."""
+    """A replica over both max_imbalance * least and least + imbalance_abs sequences is never
+    chosen, whatever it holds; a holder of 2 beside an idle replica still is."""
     order, reason = POLICY.rank(loads(hot, least), {"r0": 10}, 10)
     assert ("r0" in order) is allowed
     assert order[0] == ("r0" if allowed else "r1")
