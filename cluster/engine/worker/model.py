@@ -100,6 +100,13 @@ def compile_kernels(cache_dir: str | None = None) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
     if KERNELS["linear"] is not linear:
         return
+    # dynamic=True still specialises sizes 0 and 1 (a batch or a step of one token) and guards
+    # on eps and dtype, so a target and a drafter in one process need more than dynamo's 8
+    # variants a function; past the limit it ran the rest eagerly (rms_norm hit it at start-up
+    # on every GPU run, benchmarks/gpu/smoke), and CUDA graphs captured the unfused kernels
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for name in ("rope", "rms_norm", "silu_mul"):
         KERNELS[name] = torch.compile(KERNELS[name], dynamic=True)
     from cluster.engine.worker import gemv
