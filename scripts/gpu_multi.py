@@ -259,7 +259,8 @@ def where(args) -> str:
 def save(args, name: str, data: dict, plot) -> dict:
     from cluster.bench.report import write_json
 
-    data = {"part": name, "where": where(args), "cpu_smoke": args.cpu_smoke, "gpus": args.gpus, **data}
+    data = {"part": name, "where": where(args), "cpu_smoke": args.cpu_smoke, "gpus": args.gpus,
+            "models": {"target": args.target, "draft": args.draft_model}, **data}
     path = write_json(args.out, name, data)
     try:
         plot(data, path.with_suffix(".png"))
@@ -335,8 +336,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ks", help="shared part: verifier counts k (each needs k + 1 GPUs)")
     ap.add_argument("--levels", help="streams per verifier, comma-separated")
     ap.add_argument("--budget-s", type=float, help="skip modes that would end past this (a call has 600 s)")
+    ap.add_argument("--draft", help="the draft model (default demo-8b-draft; demo-8b-draft-1b drafts its tokens at "
+                    "a 1B's step time, issue 39's k verifiers sharing one drafter GPU)")
     args = ap.parse_args(argv)
     p = dict(SMOKE if args.cpu_smoke else GPU)
+    if args.draft and not args.cpu_smoke:
+        p["draft"] = args.draft
+    args.target, args.draft_model = p["target"], p["draft"]  # recorded in every part's JSON
     if args.levels:
         p["levels"] = [int(x) for x in args.levels.split(",")]
     if args.budget_s:

