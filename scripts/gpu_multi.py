@@ -260,7 +260,7 @@ def save(args, name: str, data: dict, plot) -> dict:
     from cluster.bench.report import write_json
 
     data = {"part": name, "where": where(args), "cpu_smoke": args.cpu_smoke, "gpus": args.gpus,
-            "models": {"target": args.target, "draft": args.draft_model}, **data}
+            "models": args.models, **data}
     path = write_json(args.out, name, data)
     try:
         plot(data, path.with_suffix(".png"))
@@ -342,7 +342,7 @@ def main(argv=None) -> int:
     p = dict(SMOKE if args.cpu_smoke else GPU)
     if args.draft and not args.cpu_smoke:
         p["draft"] = args.draft
-    args.target, args.draft_model = p["target"], p["draft"]  # recorded in every part's JSON
+    args.models = {"target": p["target"], "draft": p["draft"]}  # recorded in every part's JSON
     if args.levels:
         p["levels"] = [int(x) for x in args.levels.split(",")]
     if args.budget_s:

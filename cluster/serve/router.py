@@ -60,10 +60,13 @@ def _logprobs(out) -> list[pb.TokenLogprob]:
             for lp in out.logprobs or ()]
 
 
-def _finish(msg, spec: dict, timing: dict, reason: str):
-    msg.finish_reason = reason
-    msg.spec.CopyFrom(pb.SpecStats(**spec))
-    msg.timing.CopyFrom(pb.Timing(**timing))
+def _finish(msg, out) -> None:
+    """What a response and a stream's final chunk both carry from the request's last output."""
+    msg.finish_reason = out.finish_reason
+    msg.spec.CopyFrom(pb.SpecStats(**out.stats["spec"]))
+    msg.timing.CopyFrom(pb.Timing(**out.stats["timing"]))
+    msg.prompt_tokens, msg.cached_tokens = out.num_prompt, out.stats.get("cached_tokens", 0)
+    msg.replica = getattr(out, "replica", "")  # set by Verifier.generate
 
 
 def _set_status(grpc_context, e: RequestError) -> None:
@@ -98,10 +101,7 @@ class Router(OpenAIRoutes):
                     resp.token_ids.extend(out.token_ids)
                     resp.logprobs.extend(_logprobs(out))
                     if out.finished:
-                        _finish(resp, out.stats["spec"], out.stats["timing"], out.finish_reason)
-                        resp.prompt_tokens = out.num_prompt
-                        resp.cached_tokens = out.stats.get("cached_tokens", 0)
-                        resp.replica = getattr(out, "replica", "")  # set by Verifier.generate
+                        _finish(resp, out)
         except Exception as e:  # noqa: BLE001 - never a raw traceback to the client
             _set_status(grpc_context, e if isinstance(e, RequestError) else internal_error(e, "router"))
             return pb.GenerateResponse()
@@ -114,9 +114,7 @@ class Router(OpenAIRoutes):
                     chunk = pb.GenerateChunk(text=out.text, token_ids=out.token_ids, final=out.finished,
                                              logprobs=_logprobs(out))
                     if out.finished:
-                        _finish(chunk, out.stats["spec"], out.stats["timing"], out.finish_reason)
-                        chunk.prompt_tokens, chunk.cached_tokens = out.num_prompt, out.stats.get("cached_tokens", 0)
-                        chunk.replica = getattr(out, "replica", "")
+                        _finish(chunk, out)
                     yield chunk
         except Exception as e:  # noqa: BLE001 - never a raw traceback to the client
             error = e if isinstance(e, RequestError) else internal_error(e, "router")
