@@ -28,7 +28,7 @@ from cluster.engine.sampling import InvalidRequest, SamplingParams
 from cluster.engine.scheduling.hashing import model_seed
 from cluster.engine.scheduling.kv_cache import KVCache
 from cluster.engine.scheduling.scheduler import Scheduler
-from cluster.engine.scheduling.sequence import RequestOutput, Sequence, SpecParams
+from cluster.engine.scheduling.sequence import RequestOutput, Sequence, SpecParams, tokens_left
 from cluster.engine.spec.acceptance import Accepted, accept
 from cluster.engine.spec.ahead import SpecPipeline
 from cluster.engine.spec.aux_hidden import accepted_rows, keep_aux, keep_hidden
@@ -116,7 +116,9 @@ class Engine:
         self._controller = ctrl
         if ctrl is not None and hasattr(ctrl, "plain_runs_ahead"):  # it prices gamma 0, and a switch up
             ctrl.plain_runs_ahead = self.pipeline is not None
-            ctrl.drafter_lag = lambda: self.planner.lag([s for s in self.scheduler.running if s.spec.mode == "auto"])
+            auto = lambda: [s for s in self.scheduler.running if s.spec.mode == "auto"]  # noqa: E731
+            ctrl.drafter_lag = lambda: self.planner.lag(auto())
+            ctrl.tokens_left = lambda: tokens_left(auto(), self.max_model_len)
 
     @classmethod
     def from_pretrained(cls, target: str | Path, draft: str | Path | None = None, drafter: str | None = "model",

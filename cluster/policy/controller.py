@@ -45,13 +45,12 @@ older than MEASURED_FOR steps lapses; speculating in a bucket whose plain cost i
 measured triggers a gamma-0 probe (three steps where plain decoding runs ahead, so the
 third is a pipelined one).
 
-Turning drafting on after a plain run has a price of its own: a draft model first runs over
-everything its rows missed, each new prompt whole (126-261 ms at 55-64 rows on an H100 against
-8-9 ms plain steps, benchmarks/gpu/h100/sweep_2026-11-27). The engine tells how many tokens that
-is (`drafter_lag`). Every step up from plain decoding (a probe, a switch, a probe's end) reads what its
-catch-up cost, fitted as seconds fixed plus seconds a lagged token (`_learn_switch`); probes up
-are paced by that price, and a switch up happens once the time speculation would have saved since
-it first looked better covers it (`_pays_to_switch`, rent or buy). A switch on a wrong model then
+Turning drafting on after a plain run has a price of its own, the draft model's catch-up over
+everything its rows missed (cluster.policy.switch). The engine tells how many tokens that is
+(`drafter_lag`) and how many its rows may still produce (`tokens_left`). Every step up from plain
+decoding (a probe, a switch, a probe's end) reads what its catch-up cost; probes up are paced by
+that price, and a switch up happens once the time speculation would have saved since it first
+looked better covers it, where the rows live to win it back (rent or buy). A switch on a wrong model then
 costs one catch-up and the few steps that measure it, at most once per MEASURED_FOR steps, and a
 right one is not held back until a probe happens to measure the load first (that held speculation
 off at 1 and 16 streams on an H100, where it made 1.13x, benchmarks/gpu/h100/sweep_2026-11-27b).
@@ -63,6 +62,7 @@ from cluster.engine.observation import StepObservation
 from cluster.policy.acceptance import Acceptance
 from cluster.policy.config import SpeculationPolicyConfig
 from cluster.policy.fit import CostFit
+from cluster.policy.switch import SwitchPrice
 from cluster.policy.static import BaseController, Controller, StaticController, TableController
 
 __all__ = ["GoodputController", "StepObservation", "make_controller"]
@@ -72,8 +72,6 @@ DITHER_EVERY = 4  # every 4th step runs at gamma +-1 (see GoodputController._dit
 MEASURED_FOR = 256  # steps a bucket's measured/modelled correction stays in force
 BUDGET_WINDOW = 4096  # steps over which probe charges and run time fade (the budget's window)
 CORRECT_ALPHA = 0.1  # EWMA weight of a step in a correction (its first step sets it)
-SWITCH_FADE = 0.9  # what a reading of the catch-up keeps at the next (see _learn_switch)
-SWITCH_READINGS = 8  # catch-up readings the snapshot shows
 
 
 class GoodputController(BaseController):
@@ -100,14 +98,9 @@ class GoodputController(BaseController):
         self._drafted_before = False  # did the previous step draft (see observe)
         # set by an engine: () -> tokens its drafters would run over before drafting every row
         self.drafter_lag = None
-        # steps up from plain decoding: excess seconds ~ fixed + per lagged token. One reading
-        # (or readings at one lag) reads as a fixed cost; readings at two lags separate them.
-        # Not clipped: a lag far past those read is new information, not a stalled step (an
-        # H100 read 4-5 ms at 1 row and 316 ms at 16 rows 11k tokens behind; clipped to 4x
-        # the fit, that reading priced the next catch-up at 13 ms).
-        self._switch = CostFit(2, 1.0 - SWITCH_FADE, [0.0, eps], 0.0, 2)
-        self._switch_readings: list[tuple[int, int, float]] = []  # (rows, lag, excess ms), the last few
-        self._bank = 0.0  # seconds speculating would have saved since it first looked better (gamma)
+        # set by an engine: () -> tokens its speculating rows may still produce, on average
+        self.tokens_left = None
+        self._switch = SwitchPrice(eps)  # steps up from plain decoding: the drafters' catch-up
         self._since_up_s = 0.0  # seconds run since the last probe up from plain decoding
         self._switch_lag = None  # the drafters' lag at the step up from plain decoding this step is
         self._prefill = 0.0  # EWMA of non-decode tokens per step
@@ -147,7 +140,9 @@ class GoodputController(BaseController):
         self._account(b, seconds)
         self._since_up_s += seconds
         if spec and self._switch_lag:  # nothing lagged, nothing to catch up
-            self._learn_switch(b, seconds, obs.gamma)
+            # its drafting's excess over a modelled draft: the drafters catching up
+            excess = max(0.0, obs.draft_s - self._draft_times(b, min(obs.gamma, self.cfg.gamma_max)))
+            self._switch.read(b, self._switch_lag, excess)
         self._switch_lag = None
         if (obs.pipelined or spec) and (self._drafted_before or not spec):
             self._correct(b, spec, seconds, obs.drafted / b, extra)
@@ -181,32 +176,11 @@ class GoodputController(BaseController):
     def _within_budget(self) -> bool:
         return self._probe_s <= self.cfg.explore_budget * self._run_s
 
-    def _learn_switch(self, b: int, seconds: float, g: int) -> None:
-        """A step up from plain decoding: its excess over a modelled step at its gamma is the
-        drafters catching up on the tokens they lagged (a draft model runs over each new prompt)."""
-        excess = max(0.0, seconds - self._step_times(b)[min(g, self.cfg.gamma_max)])
-        self._switch.add([1.0, float(self._switch_lag)], excess)
-        self._switch_readings = [*self._switch_readings[1 - SWITCH_READINGS:], (b, self._switch_lag, round(1e3 * excess, 2))]
-
-
     def _switch_cost(self) -> float:
-        """Predicted seconds the next drafting step adds by catching the drafters up (0 where
-        no engine tells their lag, or before any step up was read)."""
-        if not self._switch.n or not self.drafter_lag:
-            return 0.0
-        return self._switch([1.0, float(self.drafter_lag())])
+        return self._switch.cost(self.drafter_lag() if self.drafter_lag else None)
 
-    def _pays_to_switch(self, v: list[float], g: int, b: float) -> bool:
-        """Rent or buy: from plain decoding, speculate once the time it would have saved since it
-        first looked better covers the switch (the drafter's catch-up). A switch that is won back
-        at once goes at once; one that speculation would never win back does not flap, and one on
-        a wrong model is measured by the steps after it, which correct the model for the load."""
-        self._bank += b / v[0] - b / v[g]
-        # the price is at least its fixed part: below that, no need to count the lag (every row)
-        if self._bank < self._switch.theta[0] or self._bank < self._switch_cost():
-            return False
-        self._bank = 0.0
-        return True
+    def _tokens_left(self) -> float | None:
+        return self.tokens_left() if self.tokens_left is not None else None
 
     def _correct(self, b: int, spec: bool, seconds: float, g: float, prefill: float) -> None:
         """Fold one measured step into its bucket's measured/modelled correction."""
@@ -245,15 +219,24 @@ class GoodputController(BaseController):
     # --- deciding -------------------------------------------------------------
     def _model_times(self, b: float, gammas, prefill: float) -> list[float]:
         """Modelled seconds of a lone step at batch b for each g in `gammas` (uncorrected)."""
-        cfg = self.cfg
         c0, cr, c1, cj = self._verify.coef(REFIT_EVERY)
         base = c0 + cr * b + c1 * prefill
-        if self._draft.n >= cfg.min_observations:
-            d0, dp, d1 = self._draft.coef(REFIT_EVERY)
-            fixed, per_g = d0, dp + d1 * b
-        else:  # prior: g sequential draft passes, each a fraction of a target pass
-            fixed, per_g = 0.0, cfg.prior_draft_cost_ratio * base
+        fixed, per_g = self._draft_terms(b, base)
         return [base + (cj * b + c1 * b * g + fixed + per_g * g if g else 0.0) for g in gammas]
+
+    def _draft_terms(self, b: float, base: float) -> tuple[float, float]:
+        """A draft's modelled seconds at batch b: (fixed, per draft position)."""
+        if self._draft.n >= self.cfg.min_observations:
+            d0, dp, d1 = self._draft.coef(REFIT_EVERY)
+            return d0, dp + d1 * b
+        # prior: g sequential draft passes, each a fraction of a target pass (`base`)
+        return 0.0, self.cfg.prior_draft_cost_ratio * base
+
+    def _draft_times(self, b: float, g: int) -> float:
+        """Modelled seconds of a draft of g tokens a row at batch b (uncorrected)."""
+        c0, cr, c1, _ = self._verify.coef(REFIT_EVERY)
+        fixed, per_g = self._draft_terms(b, c0 + cr * b + c1 * self._prefill)
+        return fixed + per_g * g if g else 0.0
 
     def _step_times(self, b: float) -> list[float]:
         """Predicted step seconds at batch b for g = 0..gamma_max (one pass: called per step):
@@ -305,6 +288,8 @@ class GoodputController(BaseController):
             # A probe up pays the drafter's catch-up: paid from the time run since the last one
             if self._switch_cost() > self.cfg.explore_budget * self._since_up_s:
                 return None
+            if not self._switch.won_back(0.5 * b / v[0], self._switch_cost(), self._tokens_left()):
+                return None  # not even speculation twice as fast as plain decoding would win it back
             self._since_up_s = 0.0
             # The best speculative gamma as predicted (at high load a short one: a probe at
             # the configured gamma would cost several plain steps), twice: the first step's
@@ -357,10 +342,11 @@ class GoodputController(BaseController):
             return self._dither()
         best_g = max(range(len(v)), key=v.__getitem__)
         if best_g != self._last and v[best_g] >= v[self._last] * (1.0 + cfg.hysteresis):
-            if self._last or self._pays_to_switch(v, best_g, c):
+            if self._last or self._switch.pays(c / v[0] - c / v[best_g], self.drafter_lag and self.drafter_lag(),
+                                               self._tokens_left()):
                 self._last = best_g
         else:
-            self._bank = 0.0
+            self._switch.bank = 0.0
         return self._last
 
     def snapshot(self) -> dict:
@@ -378,8 +364,7 @@ class GoodputController(BaseController):
             "probes": self._probes,
             "probe_time_share": round(self._probe_s / self._run_s, 4) if self._run_s else 0.0,
             # the drafters' catch-up, stepping up from plain decoding: its fit and last readings
-            "switch_cost": {"s": self._switch.theta[0], "s_per_token": self._switch.theta[1], "n": self._switch.n,
-                            "readings": [list(r) for r in self._switch_readings]},
+            "switch_cost": self._switch.snapshot(),
             # per bucket of batch sizes (its smallest): measured over modelled step time
             "measured_over_model": {f"{1 << (k - 1)}{'/spec' if sp else '/plain'}": round(m[0], 3)
                                     for (k, sp), m in sorted(self._measured.items())

@@ -41,6 +41,8 @@ def test_drafters_lag_is_what_turning_speculation_on_would_catch_up(engine):
         assert auto.num_output >= 6 and fixed.num_output >= 6
         assert fixed.stats.drafted > 0 and auto.stats.drafted == 0
         assert ctrl.gamma(2) == 0 and ctrl.drafter_lag() == len(auto.token_ids)  # never drafted: all of it
+        # what the auto row may still produce: the switch's horizon (cluster.policy.switch)
+        assert ctrl.tokens_left() == params.max_tokens - auto.num_output
         assert engine.planner.lag([fixed]) <= 3  # drafted last step: the tokens that step added
         assert engine.planner.lag([auto, fixed]) == len(auto.token_ids) + engine.planner.lag([fixed])
         while engine.has_work:

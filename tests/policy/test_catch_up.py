@@ -14,6 +14,7 @@ class CatchUpSim(HopperSim):
 
     ACCEPT = [0.45, 0.45] + [0.4] * 6
     CATCH_UP = (0.0, 0.00003)  # seconds fixed, seconds a lagged token
+    TOKENS_LEFT = 64  # rows of 0-128 tokens turning over
 
     def draft_s(self, b, g):
         return 0.0004 + g * (0.00035 + 0.00001 * b) if g else 0.0
@@ -116,3 +117,30 @@ def test_a_fixed_catch_up_is_priced_fixed():
         assert fit["n"] >= 3 and len(fit["readings"]) >= 3, fit
         for lag in (100, 10_000, 100_000):
             assert 0.015 <= fit["s"] + fit["s_per_token"] * lag <= 0.025, fit
+
+
+def drain(ctrl, sim: SweepSim, top: int = 256, full: int = 160, tail: int = 120) -> float:
+    """`full` steps at `top` rows, then a batch that drains to one row over `tail` steps (the
+    end of a closed-loop run: no new requests), each row's tokens left told as an engine tells
+    them. Tokens/s over plain decoding run ahead on the same steps."""
+    rows = [top] * full + [max(1, int(top * (1 - i / tail))) for i in range(tail)]
+    secs = toks = 0.0
+    for i, b in enumerate(rows):
+        ctrl.drafter_lag = lambda b=b: sim.lag(b)
+        ctrl.tokens_left = lambda i=i: sim.TOKENS_LEFT if i < full else (full + tail - i) / 2
+        obs, s, n = sim(b, ctrl.gamma(b))
+        ctrl.observe(obs)
+        secs, toks = secs + s, toks + n
+    return toks / secs / (sum(rows) / sum(sim.AHEAD * sim.verify_s(b, b) for b in rows))
+
+
+def test_a_draining_batch_pays_no_catch_up():
+    # The H200 sweep at 256 streams (benchmarks/gpu/h200/scale_2026-11-28): after 160 plain
+    # steps the batch drained, speculation looked better at 188 rows, and the switch paid a
+    # 430 ms catch-up over 131k tokens that the rows, ending within ~60 steps, never won back
+    # (0.913 of plain). Here a switch or a probe up in the drain cost 0.96 of plain decoding.
+    for seed in (1, 2, 3):
+        ctrl = make_controller(SpeculationPolicyConfig(mode="goodput"))
+        sim = SweepSim(seed=seed)
+        ramp(ctrl, sim, (1, 16, 64, 128), 300)
+        assert drain(ctrl, sim) >= 0.99, ctrl.snapshot()["switch_cost"]

@@ -260,8 +260,9 @@ def ramp(ctrl, sim: HopperSim, levels, steps: int) -> dict[int, float]:
     ctrl.plain_runs_ahead = True
     ratios = {}
     for b in levels:
-        if hasattr(sim, "lag"):  # as an engine tells its drafters' lag
+        if hasattr(sim, "lag"):  # as an engine tells its drafters' lag, and its rows' tokens left
             ctrl.drafter_lag = lambda b=b: sim.lag(b)
+            ctrl.tokens_left = lambda: sim.TOKENS_LEFT
         plain = b / (sim.AHEAD * sim.verify_s(b, b))
         for _phase in ("warm-up", "measure"):
             secs = toks = 0.0

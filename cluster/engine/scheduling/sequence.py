@@ -178,3 +178,11 @@ class RequestOutput:
         lps = None if self.logprobs is None and later.logprobs is None else (self.logprobs or []) + (later.logprobs or [])
         return RequestOutput(self.seq_id, self.token_ids + later.token_ids, self.text + later.text, later.finished,
                              later.finish_reason, later.num_prompt, later.stats, lps)
+
+
+def tokens_left(seqs: list[Sequence], max_model_len: int) -> float | None:
+    """The tokens each of `seqs` may still produce (its max_tokens, the model's length), on
+    average; None for no rows."""
+    if not seqs:
+        return None
+    return sum(min(s.params.max_tokens - s.num_output, max_model_len - len(s.token_ids)) for s in seqs) / len(seqs)
