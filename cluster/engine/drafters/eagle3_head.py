@@ -85,9 +85,8 @@ class Eagle3Head(nn.Module):
         residual = xn if c.norm_before_residual else x
         qkv = lin(torch.cat([e.to(xn.dtype), xn], dim=-1), self.qkv_proj.weight, self.qkv_proj.bias)
         qkv = qkv.view(B, T, c.heads + 2 * c.kv_heads, c.head_dim)
-        qk = KERNELS["rope"](qkv[:, :, : c.heads + c.kv_heads], *self.rotary(positions))
-        q, k = qk.split([c.heads, c.kv_heads], dim=2)
-        return q.contiguous(), k, qkv[:, :, c.heads + c.kv_heads:], residual
+        q, k = KERNELS["rope_qk"](qkv, *self.rotary(positions), c.heads, c.kv_heads)
+        return q, k, qkv[:, :, c.heads + c.kv_heads:], residual
 
     def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Attention output [B, T, H*d] -> the head's pre-norm output [B, T, D]."""

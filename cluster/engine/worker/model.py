@@ -62,6 +62,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
+def rope_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k of a projection's output [..., heads + 2 kv_heads, D], rotated: (q [..., heads, D]
+    contiguous, as attention backends take it; k [..., kv_heads, D])."""
+    q, k = rope(qkv[..., : heads + kv_heads, :], cos, sin).split([heads, kv_heads], dim=-2)
+    return q.contiguous(), k
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 as the reference does, then cast back.
     return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * weight.float()).to(x.dtype)
@@ -83,14 +91,15 @@ def linear(x, w, bias=None, norm=None, eps: float = 0.0, silu: bool = False, res
     return y if residual is None else residual + y
 
 
-KERNELS = {"rope": rope, "rms_norm": rms_norm, "silu_mul": silu_mul, "linear": linear}
+KERNELS = {"rope_qk": rope_qk, "rms_norm": rms_norm, "silu_mul": silu_mul, "linear": linear}
 
 
 def compile_kernels(cache_dir: str | None = None) -> None:
-    """GPU fast path. Elementwise pieces fused by torch.compile (a decode step is otherwise
-    dozens of tiny kernels per layer), compiled once per shape family and shared by all
-    layers; projections of up to 16 token rows (batch-1 decode and verify, small batches) by the
-    Triton kernels in cluster.engine.worker.gemv, wider ones on cuBLAS.
+    """GPU fast path. RMSNorm fused by torch.compile (a decode step is otherwise dozens of tiny
+    kernels per layer), compiled once per shape family and shared by all layers; rotary and
+    SiLU(gate) * up as the Triton kernels in cluster.engine.worker.pointwise (POINTWISE=inductor:
+    by torch.compile too, to compare); projections of up to 16 token rows (batch-1 decode and
+    verify, small batches) by the Triton kernels in cluster.engine.worker.gemv, wider ones on cuBLAS.
     Process-wide and idempotent: the target and a drafter in one process share it.
     `cache_dir`: Triton's kernels and tuning and inductor's artifacts go there (both libraries
     read these variables when they compile), so a later start loads instead of compiling."""
@@ -107,9 +116,13 @@ def compile_kernels(cache_dir: str | None = None) -> None:
     import torch._dynamo
 
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    for name in ("rope", "rms_norm", "silu_mul"):
+    from cluster.engine.worker import gemv, pointwise
+
+    compiled = ("rope_qk", "rms_norm", "silu_mul") if os.environ.get("POINTWISE") == "inductor" else ("rms_norm",)
+    for name in compiled:
         KERNELS[name] = torch.compile(KERNELS[name], dynamic=True)
-    from cluster.engine.worker import gemv
+    if "rope_qk" not in compiled:  # callers compile only for models on CUDA
+        KERNELS["rope_qk"], KERNELS["silu_mul"] = pointwise.rope_qk, pointwise.silu_mul
 
     def gpu_linear(x, w, bias=None, norm=None, eps=0.0, silu=False, residual=None):
         if x.is_cuda and gemv.supported(x.numel() // x.shape[-1], *w.shape):
@@ -162,9 +175,8 @@ class Attention(nn.Module):
         s, lin = self.s, KERNELS["linear"]
         qkv = lin(h, self.qkv_proj.weight, self.qkv_proj.bias, norm.weight, norm.eps)
         qkv = qkv.view(B, T, s.heads + 2 * s.kv_heads, s.head_dim)
-        qk = KERNELS["rope"](qkv[:, :, : s.heads + s.kv_heads], *rot)  # q and k rotated in one op
-        q, k = qk.split([s.heads, s.kv_heads], dim=2)
-        out = backend(q.contiguous(), k, qkv[:, :, s.heads + s.kv_heads:], k_cache, v_cache, ctx, scale)
+        q, k = KERNELS["rope_qk"](qkv, *rot, s.heads, s.kv_heads)  # q and k rotated in one op
+        out = backend(q, k, qkv[:, :, s.heads + s.kv_heads:], k_cache, v_cache, ctx, scale)
         y = lin(out.reshape(B, T, -1), self.o_proj.weight, residual=h if self.adds_residual else None)
         return y if self.reduce is None else self.reduce(y)
 
@@ -176,10 +188,9 @@ class Attention(nn.Module):
         n = h.shape[0]
         qkv = lin(h, self.qkv_proj.weight, self.qkv_proj.bias, norm.weight, norm.eps)
         qkv = qkv.view(n, s.heads + 2 * s.kv_heads, s.head_dim)
-        qk = KERNELS["rope"](qkv[:, : s.heads + s.kv_heads], *rot)
-        q, k = qk.split([s.heads, s.kv_heads], dim=1)
+        q, k = KERNELS["rope_qk"](qkv, *rot, s.heads, s.kv_heads)
         v = qkv[:, s.heads + s.kv_heads:]
-        out = torch.cat([seg.unpad(backend(seg.pad(q).contiguous(), seg.pad(k), seg.pad(v), k_cache, v_cache,
+        out = torch.cat([seg.unpad(backend(seg.pad(q), seg.pad(k), seg.pad(v), k_cache, v_cache,
                                            seg.ctx, scale)) for seg in segs])
         y = lin(out.reshape(n, -1), self.o_proj.weight, residual=h if self.adds_residual else None)
         return y if self.reduce is None else self.reduce(y)
