@@ -262,5 +262,6 @@ def test_a_step_launched_ahead_reports_its_drafting_apart(engines, monkeypatch):
         assert len(ahead) >= p.hits - hits
         assert all((o.draft_s == 3600.0) == (slowed == "draft") for o in ahead)
         grown = {k: e.totals[k] - totals[k] for k in ("draft_s", "verify_s")}
-        assert grown["draft_s" if slowed == "draft" else "verify_s"] >= 3600.0 * len(ahead)
+        # the totals already held other tests' seconds: the difference is exact only to rounding
+        assert grown["draft_s" if slowed == "draft" else "verify_s"] >= 3600.0 * len(ahead) * (1 - 1e-12)
     _settled(e)
