@@ -140,10 +140,9 @@ class GoodputController(BaseController):
         self._account(b, seconds)
         self._since_up_s += seconds
         if spec and self._switch_lag:  # nothing lagged, nothing to catch up
-            # its excess over a modelled step: the drafters catching up. Not its drafting's alone:
-            # where drafts are launched on the device the host's draft time misses the catch-up's
-            # GPU work (an H200 read 46 ms for 164k tokens that take ~0.5 s, benchmarks/gpu/h200/pointwise_5e46173)
-            excess = max(0.0, seconds - self._step_times(b)[min(obs.gamma, self.cfg.gamma_max)])
+            # its drafting's excess over a modelled draft: the drafters catching up (the whole
+            # step's over a modelled step holds the verify model's error as well)
+            excess = max(0.0, obs.draft_s - self._draft_times(b, min(obs.gamma, self.cfg.gamma_max)))
             self._switch.read(b, self._switch_lag, excess)
         self._switch_lag = None
         if (obs.pipelined or spec) and (self._drafted_before or not spec):
@@ -233,6 +232,12 @@ class GoodputController(BaseController):
             return d0, dp + d1 * b
         # prior: g sequential draft passes, each a fraction of a target pass (`base`)
         return 0.0, self.cfg.prior_draft_cost_ratio * base
+
+    def _draft_times(self, b: float, g: int) -> float:
+        """Modelled seconds of a draft of g tokens a row at batch b (uncorrected)."""
+        c0, cr, c1, _ = self._verify.coef(REFIT_EVERY)
+        fixed, per_g = self._draft_terms(b, c0 + cr * b + c1 * self._prefill)
+        return fixed + per_g * g if g else 0.0
 
     def _step_times(self, b: float) -> list[float]:
         """Predicted step seconds at batch b for g = 0..gamma_max (one pass: called per step):

@@ -3,8 +3,8 @@
 A draft model that sat out plain steps first runs over everything its rows missed, each new
 prompt whole (126-261 ms at 55-64 rows on an H100 against 8-9 ms plain steps,
 benchmarks/gpu/h100/sweep_2026-11-27; 430 ms at 188 rows 131k tokens behind on an H200,
-benchmarks/gpu/h200/scale_2026-11-28). Each step up from plain decoding reads its excess over a
-modelled step, fitted as seconds fixed plus seconds a lagged token. A switch up is
+benchmarks/gpu/h200/scale_2026-11-28). Each step up from plain decoding reads its drafting's
+excess over a modelled draft, fitted as seconds fixed plus seconds a lagged token. A switch up is
 rent or buy: it happens once the time speculation would have saved since it first looked better
 covers the price, and only where the rows that pay it live long enough to win it back.
 """
@@ -28,7 +28,8 @@ class SwitchPrice:
         self.bank = 0.0  # seconds speculating would have saved since it first looked better
 
     def read(self, rows: int, lag: int, excess_s: float) -> None:
-        """A step up from plain decoding `lag` tokens behind took `excess_s` more than a modelled step."""
+        """A step up from plain decoding `lag` tokens behind: its drafting took `excess_s` more
+        than a modelled draft."""
         self.fit.add([1.0, float(lag)], excess_s)
         self.readings = [*self.readings[1 - READINGS:], (rows, lag, round(1e3 * excess_s, 2))]
 
