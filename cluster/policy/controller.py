@@ -62,8 +62,8 @@ from cluster.engine.observation import StepObservation
 from cluster.policy.acceptance import Acceptance
 from cluster.policy.config import SpeculationPolicyConfig
 from cluster.policy.fit import CostFit
-from cluster.policy.switch import SwitchPrice
 from cluster.policy.static import BaseController, Controller, StaticController, TableController
+from cluster.policy.switch import SwitchPrice
 
 __all__ = ["GoodputController", "StepObservation", "make_controller"]
 
