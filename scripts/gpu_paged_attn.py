@@ -4,6 +4,7 @@ replaces (the fa3-fwd wheel's flash_attn_with_kvcache with cache_batch_idx, whic
 KV), at the shapes of Llama-3.1-8B (32 q heads, 8 kv heads, head dim 128), bf16.
 
     bash scripts/gpu_py.sh gpu_paged_attn.py     # writes $OUT/gpu_paged_attn.json
+    PARTS=prefill bash scripts/gpu_py.sh gpu_paged_attn.py   # prompt chunks only (prefill_sweep)
 
 The gate (issue 23): the verify step's attention, q = 5 tokens, 8k context, batch 64, at most
 1.2x the FA3 slot path.
@@ -76,11 +77,58 @@ def fa3_slot_time(B: int, ctx: int, T: int) -> float | None:
     return t
 
 
+def prefill_sweep(R: dict) -> None:
+    """PARTS=prefill: prompt chunks as the 8B prefill passes run them (4 rows of 512 tokens after
+    0 and 512 cached): the kernel's block configs, BLOCK_M included, each checked against SDPA,
+    beside FA3's dense varlen over the same new tokens (nothing cached: what a fresh prompt's
+    attention costs at FA3's speed)."""
+    from triton.runtime.errors import OutOfResources
+
+    for B, ctx, T in ((4, 0, 512), (4, 512, 512)):
+        args = paged_inputs(B, ctx, T)
+        ref = reference(*args).float()
+        rows = []
+        for bm in (64, 128):
+            for bn in (64, 128):
+                for warps in (4, 8):
+                    for stages in (2, 3):
+                        cfg = (bn, warps, stages, bm)
+                        try:
+                            out = paged_attention(*args, 1, config=cfg)
+                        except OutOfResources:
+                            continue
+                        err = ((out.float() - ref).norm() / ref.norm()).item()
+                        rows.append({"config": cfg, "ms": 1e3 * cuda_time(lambda: paged_attention(*args, 1, config=cfg)),
+                                     "relative_error": err})
+        default = 1e3 * cuda_time(lambda: paged_attention(*args, 1))
+        line = {"batch": B, "ctx": ctx, "q": T, "default_ms": default, "best": min(rows, key=lambda r: r["ms"]),
+                "configs": rows}
+        if ctx == 0:
+            try:
+                from fa3_fwd_interface import flash_attn_varlen_func
+            except ImportError:
+                flash_attn_varlen_func = None
+            if flash_attn_varlen_func is not None:
+                q = args[0].reshape(B * T, H, D)
+                k = torch.randn((B * T, HKV, D), dtype=q.dtype, device=DEV)
+                cu = torch.arange(0, B * T + 1, T, dtype=torch.int32, device=DEV)
+                line["fa3_varlen_ms"] = 1e3 * cuda_time(
+                    lambda: flash_attn_varlen_func(q, k, k, cu, cu, T, T, causal=True))
+        R.setdefault("prefill_sweep", []).append(line)
+        print({k: v for k, v in line.items() if k != "configs"}, flush=True)
+
+
 def main() -> int:
     t0 = time.time()
     R: dict = {"device": torch.cuda.get_device_name(), "shape": {"heads": H, "kv_heads": HKV, "head_dim": D,
                                                                   "block_size": BS}}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if os.environ.get("PARTS") == "prefill":
+        prefill_sweep(R)
+        os.makedirs(OUT, exist_ok=True)
+        with open(os.path.join(OUT, "gpu_paged_attn.json"), "w") as f:
+            json.dump(R, f, indent=1)
+        return 0
     # correctness first, on every width the engine uses (decode, verify, prefill chunk)
     errs = {}
     for B, ctx, T in ((3, 700, 1), (5, 1500, 5), (2, 300, 9), (1, 2000, 512)):

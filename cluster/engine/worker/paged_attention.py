@@ -176,8 +176,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q [B, T, H, D]; caches [blocks, block_size, Hkv, D] (one layer); tables [R, max_blocks]
     int32; rows, cache_lens, q_lens [B]. The keys of this step's tokens must already be in
     the cache. `kv_scales`: the layer's (k, v) scales of an e4m3 cache, as numbers (constants
-    of a captured CUDA graph). `config`: (BLOCK_N, warps, stages) instead of the defaults
-    (scripts/gpu_paged_attn.py sweeps them).
+    of a captured CUDA graph). `config`: (BLOCK_N, warps, stages[, BLOCK_M]) instead of the
+    defaults (scripts/gpu_paged_attn.py sweeps them).
     Returns [B, T, H, D] in q's dtype (rows past q_lens[b] are left as they were)."""
     B, T, H, D = q.shape
     _, BS, HKV, _ = k_cache.shape
@@ -185,7 +185,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q) if out is None else out
     M = T * G
     BLOCK_M = max(16, min(64, triton.next_power_of_2(M)))
-    BLOCK_N, warps, stages = config or (CONFIG if BLOCK_M > 16 else CONFIG_ONE_TOKEN)
+    BLOCK_N, warps, stages, *m = config or (CONFIG if BLOCK_M > 16 else CONFIG_ONE_TOKEN)
+    BLOCK_M = m[0] if m else BLOCK_M
     m_tiles = triton.cdiv(M, BLOCK_M)
     fp8 = kv_scales is not None
     k_scale, v_scale = kv_scales if fp8 else (1.0, 1.0)
