@@ -59,8 +59,7 @@ class Engine:
         t_start, self.startup = time.perf_counter(), {}  # seconds by phase (the log's start-up line)
         if cfg.compile and p.device.type == "cuda":
             compile_kernels(cfg.compile_cache_dir)
-        # positions a row can address: spare ones past max_model_len take the padded writes of
-        # a step's short rows (cluster.engine.scheduling.kv_cache), and those of steps launched ahead
+        # spare positions past max_model_len take the padded writes of short rows and steps launched ahead (kv_cache)
         max_tokens = self.max_model_len + max(cfg.prefill_chunk, 2 * cfg.gamma_max + 2) + 1
         kv_dtype = fp8.FP8 if cfg.kv_cache_dtype == "fp8" else p.dtype
         blocks = num_kv_blocks(model, cfg, kv_dtype, max_tokens)
@@ -300,8 +299,7 @@ class Engine:
         if not run:
             return None
         accepted = self._accept(run, out, num_draft)
-        # on the GPU's clock: the host waited for both at once, and its wall time can be a launch
-        # already done (1 ms) or two passes' worth (benchmarks/gpu/tp/sweep_h200/trace)
+        # on the GPU's clock: the host's wall time can be a launch done or two passes (benchmarks/gpu/tp/sweep_h200)
         obs = observation(len(run), sum(num_draft) + len(run), self.spec_ahead.verify_s, self.spec_ahead.draft_s,
                           num_draft, [len(o) - 1 for o in out])
         obs.captured = self._graphs_captured() != graphs
