@@ -177,8 +177,11 @@ class GoodputController(BaseController):
     def _within_budget(self) -> bool:
         return self._probe_s <= self.cfg.explore_budget * self._run_s
 
+    def _lag(self) -> int | None:
+        return self.drafter_lag() if self.drafter_lag else None
+
     def _switch_cost(self) -> float:
-        return self._switch.cost(self.drafter_lag() if self.drafter_lag else None)
+        return self._switch.cost(self._lag())
 
     def _tokens_left(self) -> float | None:
         return self.tokens_left() if self.tokens_left is not None else None
@@ -287,9 +290,10 @@ class GoodputController(BaseController):
         self._probed_at = self._steps
         if self._last == 0:
             # A probe up pays the drafter's catch-up: paid from the time run since the last one
-            if self._switch_cost() > self.cfg.explore_budget * self._since_up_s:
+            price = self._switch_cost()
+            if price > self.cfg.explore_budget * self._since_up_s:
                 return None
-            if not self._switch.won_back(0.5 * b / v[0], self._switch_cost(), self._tokens_left()):
+            if not self._switch.won_back(0.5 * b / v[0], price, self._tokens_left()):
                 return None  # not even speculation twice as fast as plain decoding would win it back
             self._since_up_s = 0.0
             # The best speculative gamma as predicted (at high load a short one: a probe at
@@ -343,8 +347,7 @@ class GoodputController(BaseController):
             return self._dither()
         best_g = max(range(len(v)), key=v.__getitem__)
         if best_g != self._last and v[best_g] >= v[self._last] * (1.0 + cfg.hysteresis):
-            if self._last or self._switch.pays(c / v[0] - c / v[best_g], self.drafter_lag and self.drafter_lag(),
-                                               self._tokens_left()):
+            if self._last or self._switch.pays(c / v[0] - c / v[best_g], self._lag, self._tokens_left):
                 self._last = best_g
         else:
             self._switch.bank = 0.0

@@ -11,6 +11,8 @@ covers the price, and only where the rows that pay it live long enough to win it
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from cluster.policy.fit import CostFit
 
 FADE = 0.9  # what a reading keeps at the next
@@ -45,16 +47,16 @@ class SwitchPrice:
         rows about to finish, as a batch drains, is never won back."""
         return tokens_left is None or saved * tokens_left >= price
 
-    def pays(self, saved: float, lag: int | None, tokens_left: float | None) -> bool:
+    def pays(self, saved: float, lag: Callable[[], int | None], tokens_left: Callable[[], float | None]) -> bool:
         """Rent or buy, one step at a time while speculating looks better by `saved` seconds a
         step's worth of tokens: a switch that is won back at once goes at once; one that
         speculation would never win back does not flap, and one on a wrong model is measured by
-        the steps after it, which correct the model for the load."""
+        the steps after it, which correct the model for the load. `lag` and `tokens_left` are
+        asked only once the bank covers the price's fixed part (each goes over every row)."""
         self.bank += saved
-        # the price is at least its fixed part: below that, no need to count the lag (every row)
-        if self.bank < self.fit.theta[0] or (price := self.cost(lag)) > self.bank:
+        if self.bank < self.fit.theta[0] or (price := self.cost(lag())) > self.bank:
             return False
-        if not self.won_back(saved, price, tokens_left):
+        if not self.won_back(saved, price, tokens_left()):
             return False
         self.bank = 0.0
         return True
