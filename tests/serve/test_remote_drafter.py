@@ -378,11 +378,11 @@ def test_calls_waiting_together_from_different_verifiers_are_drafted_as_one_batc
     def propose(requests, starts, release, caller):
         entered.set()
         busy.wait(5)
-        batches.append([caller])
+        batches.append([(caller, [len(r.token_ids) for r in requests])])
         return echo(requests), [False] * len(requests)
 
-    def propose_many(calls):
-        batches.append([c[3] for c in calls])
+    def propose_many(calls):  # two sockets' calls arrive in either order: the batch is a set
+        batches.append(sorted((c[3], [len(r.token_ids) for r in c[0]]) for c in calls))
         rows = [r for c in calls for r in c[0]]
         parts = split_output(echo(rows), [len(c[0]) for c in calls])
         return [(p, [False] * len(c[0])) for p, c in zip(parts, calls)]
@@ -411,7 +411,7 @@ def test_calls_waiting_together_from_different_verifiers_are_drafted_as_one_batc
         assert first.result().tokens == [[1]]
         assert second.result().tokens == [[2], [3]] and third.result().tokens == [[4]]
         assert again.result().tokens == [[5]]
-        assert batches == [["va"], ["vb", "va"], ["va"]]
+        assert batches == [[("va", [1])], [("va", [4]), ("vb", [2, 3])], [("va", [5])]]
     finally:
         a.close()
         b.close()
