@@ -145,9 +145,12 @@ def sweep(engine, R: dict) -> None:
         for name, spec in (("off", SpecParams("off")), ("fixed4", SpecParams("fixed", 4)), ("goodput", SpecParams("auto"))):
             engine.controller = controller if name == "goodput" else None
             run_engine(engine, warm, c, lengths[:c], spec, temp)  # warm-up (and the controller)
-            trace: list = []  # per step: batch, gamma, drafted, accepted, step ms (the controller's inputs)
-            engine.on_verify = lambda o: trace.append(  # noqa: B023 - read before the next mode
-                (o.batch_size, o.gamma, o.drafted, sum(o.accepted_per_position), round(1e3 * o.step_s, 2)))
+            # per step, the controller's inputs: batch, gamma, drafted, accepted, step, verify and draft ms
+            # (verify and draft apart: the fits see them apart, benchmarks/gpu/h200/pointwise_5e46173/README.md)
+            trace: list = []
+            engine.on_verify = lambda o: trace.append((  # noqa: B023 - read before the next mode
+                o.batch_size, o.gamma, o.drafted, sum(o.accepted_per_position),
+                *(round(1e3 * x, 3) for x in (o.step_s, o.verify_s, o.draft_s))))
             (res, wall), host = measured(engine, lambda: run_engine(engine, reqs, c, lengths[:n], spec, temp))
             engine.on_verify = None
             s = summarise(res, wall)
