@@ -211,7 +211,9 @@ class RemoteDrafter(Drafter):
     name = "model"
     look_ahead = "gated"  # the engine asks for the next step's drafts while this step verifies
     MIN_BACKOFF_S, MAX_BACKOFF_S = 0.5, 5.0
-    SLOW_FACTOR, MIN_WAIT_S = 4.0, 0.1  # a call this many times the slowest recent one is lost
+    # a call this many times the slowest recent one is lost; never sooner than MIN_WAIT_S, which
+    # a stall of the caller's own process (a GC pause, a loaded host) should not reach
+    SLOW_FACTOR, MIN_WAIT_S = 4.0, 0.5
     REFRESH_S = 30.0  # look the replica up again: callers spread onto replicas added since
 
     def __init__(self, handle, timeout_s: float, caller: str, transport: str = "direct", name: str = "model"):

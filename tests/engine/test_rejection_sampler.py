@@ -1,5 +1,7 @@
 """The rejection sampler's output has exactly the target's distribution."""
 
+import zlib
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -31,7 +33,7 @@ def _draw(p, q, n, g, seed):
 def test_first_and_second_token_follow_target(name, g):
     p, q = PAIRS[name]
     n = 60_000
-    out, num_acc = _draw(p, q, n, g, seed=hash(name) % 2**31)
+    out, num_acc = _draw(p, q, n, g, seed=zlib.crc32(name.encode()))  # hash() of a str changes per process
     expected = torch.tensor(p) * n
     support = expected > 0
     for pos in range(2):  # every emitted position is a draw from p (positions are iid here)
@@ -96,6 +98,7 @@ def test_fill_draws_seeded_rows_from_their_generators_the_rest_at_once():
     sampled, greedy = SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)
     params = [sampled, greedy, sampled] + [sampled] * 200
     gens = [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(8)] + [None] * 200
+    torch.manual_seed(0)  # the unseeded rows' draws: the same every run, whatever ran before
     out = fill_draws(torch.ones(203, 64), params, gens, "exponential")
     assert torch.equal(out[0], torch.empty(64).exponential_(generator=torch.Generator().manual_seed(7)))
     assert torch.equal(out[1], torch.ones(64))

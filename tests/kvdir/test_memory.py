@@ -119,10 +119,11 @@ def test_publisher_resyncs_snapshot_after_outage(ns):
 
 def test_publisher_heartbeats_when_idle_and_stop_removes(ns):
     async def main():
-        d = MemoryDirectory(ns, "m", ttl_s=0.3)
-        pub = BlockPublisher(d, "v0", ttl_s=0.3, snapshot=lambda: H[:3], flush_s=0.02)
+        # TTLs long enough that a stalled loop on a loaded host does not miss a heartbeat's window
+        d = MemoryDirectory(ns, "m", ttl_s=1.5)
+        pub = BlockPublisher(d, "v0", ttl_s=1.5, snapshot=lambda: H[:3], flush_s=0.02)
         pub.start()
-        await asyncio.sleep(0.6)  # two TTLs with no events: heartbeats alone keep it alive
+        await asyncio.sleep(3.0)  # two TTLs with no events: heartbeats alone keep it alive
         assert await d.overlap(H) == {"v0": 3}
         await pub.stop()
         assert await d.overlap(H) == {}

@@ -81,11 +81,11 @@ def test_eviction_shortens_overlap(make):
 
 def test_dead_replica_expires_live_one_stays(make):
     async def main():
-        d = make(ttl_s=0.6)
+        d = make(ttl_s=2.0)  # a 1.5 s stall of this loop on a loaded host still heartbeats in time
         await d.publish("dead", H, [])
         await d.publish("live", H[:4], [])
-        for _ in range(4):  # "live" heartbeats every 0.2 s; "dead" goes silent
-            await asyncio.sleep(0.2)
+        for _ in range(6):  # "live" heartbeats every 0.5 s; "dead" goes silent past its TTL
+            await asyncio.sleep(0.5)
             assert await d.heartbeat("live")
         assert await d.overlap(H) == {"live": 4}
         assert not await d.heartbeat("dead")  # its entries are gone: the caller must resync

@@ -169,13 +169,14 @@ def test_controller_is_cheap(mode):
     obs = step_observation(batch_size=32, gamma=4)
     for _ in range(20):
         ctrl.observe(obs)
-    n = 2000
-    t = time.perf_counter()
-    for i in range(n):
-        ctrl.gamma(1 + i % 64, 100)
-        ctrl.observe(obs)
-    per_step_us = (time.perf_counter() - t) / n * 1e6
-    assert per_step_us < 200, per_step_us  # microseconds; generous for slow CI machines
+    n, best = 1000, float("inf")
+    for _ in range(5):  # the fastest of five: a preempted run on a loaded host is not the controller's cost
+        t = time.perf_counter()
+        for i in range(n):
+            ctrl.gamma(1 + i % 64, 100)
+            ctrl.observe(obs)
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+    assert best < 200, best  # microseconds a step; generous for slow CI machines
 
 
 class PipelinedSim(SimStep):

@@ -68,6 +68,7 @@ def test_eagle3_resumes_with_its_whole_context_after_an_outage(demo_pair):
     try:
         remote = RemoteDrafter(EndpointHandle(server.address), timeout_s=10.0, caller="v", name="eagle3")
         remote.MIN_BACKOFF_S = remote.MAX_BACKOFF_S = 3600.0  # no probe of its own: the test sends it
+        remote.SLOW_FACTOR = float("inf")  # the slow-call rule is test_a_hung_replica's: a stall of this process must not look like one
         engine = build_engine(cfg, {"eagle3": remote})
         prompt = "import os\nimport sys\n\ndef main("
         sid = engine.add_request(prompt, GREEDY, SpecParams("fixed", 4), "eagle3")

@@ -129,11 +129,12 @@ def test_verifier_killed_mid_generation(client):
     ids, errors, started, ends, threads = run_streams(client, PROMPTS[:4], max_tokens=200, temperature=1.0, seed=3)
     assert started.wait(60)
     before = replica_ids(APP, "Verifier")
-    assert {r.replica for r in client.stats().replicas} == set(before)
+    # every live replica reports within FRESH_S (2 s) of the last; a loaded host may miss one
+    wait_until(lambda: {r.replica for r in client.stats().replicas} == set(before), 10, "GetStats to show both")
     killed_at = time.monotonic()
     killed = kill_replica(APP, "Verifier")
     # GetStats shows it gone within FRESH_S (2 s) of its last report; slack for a loaded host
-    wait_until(lambda: killed not in {r.replica for r in client.stats().replicas}, 5, "GetStats to drop it")
+    wait_until(lambda: killed not in {r.replica for r in client.stats().replicas}, 15, "GetStats to drop it")
     for t in threads:
         t.join(60)
     # in flight on the dead replica: UNAVAILABLE, promptly (the client deadline is 120 s); a

@@ -98,7 +98,9 @@ def test_flood_is_refused_at_once_and_bounded(stub):
     bounds = ("router at capacity", "admission queue full", "dropped due to backpressure")  # the last: Serve's queue to the Router
     assert all(any(b in d for b in bounds) for d, _ in refused), refused
     assert any("admission queue full" in d for d, _ in refused), refused
-    assert max(s for _, s in refused) < 3.0, refused  # at once, not after a wait
+    # at once, not after a wait: the queued calls never return while the engine is paused, so
+    # a refusal is one of its own, whatever a loaded host's hops cost
+    assert max(s for _, s in refused) < 15.0, refused
     wait_idle(APP)
 
 

@@ -164,9 +164,9 @@ def test_a_replica_that_dies_fails_its_call_at_once():
     t = time.monotonic()
     with pytest.raises(Exception, match="closed the connection|did not answer"):
         d.propose([draft_request()])
-    assert time.monotonic() - t < 1.0
+    assert time.monotonic() - t < 2.5  # not the 5 s timeout
     t = time.monotonic()
-    assert d.propose([draft_request()]).tokens == [[]] and time.monotonic() - t < 0.1
+    assert d.propose([draft_request()]).tokens == [[]] and time.monotonic() - t < 1.0  # no wait at all
 
 
 def test_a_late_reply_is_not_taken_for_the_next_call():
@@ -234,6 +234,7 @@ def test_direct_calls_send_only_new_tokens_and_resync_after_eviction(demo_pair):
     address = server.address
     try:
         remote = RemoteDrafter(EndpointHandle(SimpleNamespace(address=address)), timeout_s=10.0, caller="v")
+        remote.SLOW_FACTOR = float("inf")  # the slow-call rule is test_a_hung_replica's: a stall of this process must not look like one
         engine = build_engine(cfg, remote)
         prompts = ["def fibonacci(n):", "import os\nimport sys\n\ndef main("]
         greedy = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -307,6 +308,7 @@ def test_eagle3_in_its_own_replica_ships_new_aux_states_only(demo_pair):
     try:
         handle = EndpointHandle(SimpleNamespace(address=server.address))
         remote = RemoteDrafter(handle, timeout_s=10.0, caller="v", name="eagle3")
+        remote.SLOW_FACTOR = float("inf")  # the slow-call rule is test_a_hung_replica's: a stall of this process must not look like one
         engine = build_engine(cfg, {"eagle3": remote})
         assert engine.model.aux_layers == replica.drafters["eagle3"].aux_layers and remote.look_ahead is None
         prompts = ["def fibonacci(n):", "import os\nimport sys\n\ndef main("]
@@ -339,27 +341,48 @@ def test_eagle3_in_its_own_replica_ships_new_aux_states_only(demo_pair):
 def test_a_hung_replica_costs_a_fraction_of_the_timeout():
     """A replica that stops answering but keeps its socket open (a hung process): the call
     is given up after a few times the slowest recent call, not the 5 s timeout."""
-    hang = threading.Event()
+    hang, release = threading.Event(), threading.Event()
 
     class Hanging(Replica):
-        def propose(self, requests, starts, release, caller):
+        def propose(self, requests, starts, release_ids, caller):
             if hang.is_set():
-                time.sleep(3)
-            return super().propose(requests, starts, release, caller)
+                release.wait(10)
+            return super().propose(requests, starts, release_ids, caller)
 
     replica = Hanging(draft_output())
     try:
         d = RemoteDrafter(EndpointHandle(replica), timeout_s=5.0, caller="v")
         for _ in range(10):
             assert d.propose([draft_request()]).tokens == [[1, 2]]
-        assert d.wait_s() < 1.0  # loopback calls take milliseconds
+        assert d.wait_s() < 2.0  # loopback calls take milliseconds: the 0.5 s floor
         hang.set()
         t = time.monotonic()
         with pytest.raises(Exception, match="did not answer"):
             d.propose([draft_request()])
-        assert time.monotonic() - t < 1.0 and d.down
+        assert time.monotonic() - t < 2.5 and d.down  # not the 5 s timeout
     finally:
+        release.set()
         replica.server.stop()
+
+
+def test_a_reply_that_came_while_the_caller_stalled_is_taken():
+    """The caller's thread did not read the socket until past the call's deadline (a GC
+    pause, a loaded host) while the reply was already there: the call succeeds."""
+    from cluster.serve.draft_rpc import DraftingClient, DraftServer
+
+    server = DraftServer(lambda requests, starts, release, caller: (draft_output(), [False] * len(requests)),
+                         "127.0.0.1")
+    client = DraftingClient(server.address)
+    try:
+        call = client.propose([draft_request()], [0], [], "v", 5.0)
+        deadline = time.monotonic() + 10
+        while not client.poll_now() and time.monotonic() < deadline:  # the reply is in the socket
+            time.sleep(0.01)
+        call.deadline = time.monotonic() - 1.0  # ... and the caller comes back too late
+        assert call.result().tokens == [[1, 2]]
+    finally:
+        client.close()
+        server.stop()
 
 
 def test_calls_waiting_together_from_different_verifiers_are_drafted_as_one_batch():

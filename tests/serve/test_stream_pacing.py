@@ -30,7 +30,7 @@ def test_outputs_within_the_interval_go_as_one_in_order():
         q = asyncio.Queue()
         for t in ([1], [2, 3]):
             q.put_nowait(out(t))
-        merged = await _collect(out([0]), q, 0.05)  # nothing more comes: the interval ends it
+        merged = await _collect(out([0]), q, 0.5)  # nothing more comes: the interval ends it
         return merged, q.empty()
 
     merged, drained = run(go())
