@@ -307,3 +307,26 @@ def test_goodput_paces_dear_probes_by_their_cost():
     ratios = ramp(ctrl, DearDraftSim(seed=7), (1, 16, 64, 128, 256), 400)
     assert min(ratios[b] for b in (64, 128, 256)) >= 0.97, ratios
     assert ctrl.snapshot()["probe_time_share"] <= 1.5 * cfg.explore_budget, ctrl.snapshot()
+
+
+def test_a_probe_up_from_plain_decoding_drafts_at_most_the_configured_gamma():
+    # Decoding plainly, the model's best speculative gamma is where its fitted costs, flat in
+    # gamma, extrapolate to: here 8. A probe there measured gamma 8 only, where a 70B-shaped
+    # target at TP 4 and 32 rows verified in 33 ms against gamma 4's 24 ms (benchmarks/gpu/tp,
+    # sweep_h200/vt), so speculation read dear at every gamma and stayed off where gamma 4 paid
+    # 1.08x. A probe up runs at the configured gamma, where speculating is known to be sane.
+    cfg = SpeculationPolicyConfig(mode="goodput", gamma=4)
+    ctrl = make_controller(cfg)
+    ctrl.plain_runs_ahead = True
+    sim = SimStep(accept=0.3, c0=0.010, c1=0.0000001, d0=0.005, d1=0.0000001, seed=9)
+    ups = []
+    for _ in range(2000):
+        last = ctrl.snapshot()["gamma"]
+        g = ctrl.gamma(8)
+        if last == 0 and g > 0 and ctrl.snapshot()["gamma"] == 0:  # a probe (a switch moves the choice)
+            ups.append(g)
+        ctrl.observe(sim(8, g))
+    assert ctrl.snapshot()["gamma"] == 0  # drafting costs more than it makes here
+    v = ctrl.goodputs(8)
+    assert max(range(1, len(v)), key=v.__getitem__) > cfg.gamma, v  # the model's best lies beyond 4
+    assert ups and max(ups) <= cfg.gamma, ups
