@@ -49,7 +49,8 @@ class SpeculationPolicyConfig(BaseModel):
     """off: always 0; fixed: always `gamma`; table: look up by concurrency;
     goodput: maximise measured tokens per second."""
     gamma: int = Field(default=4, ge=0)
-    """The fixed mode's gamma; goodput mode starts here before it has measurements."""
+    """The fixed mode's gamma; goodput mode starts here before it has measurements, and its
+    probes up from plain decoding draft at most this many."""
     gamma_max: int = Field(default=8, ge=0)
     """Largest gamma any mode may choose (bounds the drafter's per-call work)."""
     table: list[TableRow] = Field(default_factory=list)
