@@ -184,8 +184,7 @@ class Engine:
         return outs
 
     def _observe(self, obs: StepObservation, start: float, end: float) -> None:
-        # A step's period runs from the end of the verify step before it: the caller's work between
-        # steps counts (speculation saves steps). After a prefill step or a longer idle, afresh.
+        # a period runs from the end of the verify step before (the caller's work counts); after a prefill or idle, afresh
         if self._last_end is not None and start - self._last_end < end - start:
             start = self._last_end
         obs.step_s = end - start
@@ -279,8 +278,7 @@ class Engine:
         num_draft = [len(d) for d in drafts.tokens]
         obs = observation(len(seqs), sum(map(len, feeds)) + num_prefill, t2 - t1 - waited, t1 - t0 + waited,
                           num_draft, [len(o) - 1 for o in out], pipelined)
-        # not what verifying at this gamma costs (the controller skips them): a pass that took
-        # prompt chunks too, and one that captured a CUDA graph (up to 50x a replay)
+        # not a cost of verifying at this gamma (the controller skips them): a pass with prompt chunks or a graph capture
         obs.prefill_tokens = num_prefill
         obs.captured = self._graphs_captured() != graphs
         return accepted + first, obs
@@ -295,7 +293,9 @@ class Engine:
         graphs = self._graphs_captured()
         self.planner.drop_ahead(name)
         self.pipeline.interrupt()
-        run, out, num_draft = self.spec_ahead.step(seqs, gammas, [self._left(s) for s in seqs], name)
+        # a probe's last step (plain decoding next, the controller says): a step launched after it would be dropped
+        last = getattr(self.controller, "ends_speculation", False) and all(s.spec.mode == "auto" for s in seqs)
+        run, out, num_draft = self.spec_ahead.step(seqs, gammas, [self._left(s) for s in seqs], name, not last)
         if not run:
             return None
         accepted = self._accept(run, out, num_draft)

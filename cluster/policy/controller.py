@@ -267,6 +267,7 @@ class GoodputController(BaseController):
         cfg = self.cfg
         if self._probe_again is not None:
             g, self._probe_again = self._probe_again, None
+            self.ends_speculation = True  # a probe up's last step: plain decoding resumes after it
             return g
         if self._zero_hold:
             self._zero_hold -= 1
@@ -328,6 +329,7 @@ class GoodputController(BaseController):
         return max(0, min(self.cfg.gamma_max, self._last + (1 if self._dithers % 2 else -1)))
 
     def gamma(self, batch_size: int, cluster_inflight: int = 0) -> int:
+        self.ends_speculation = False
         g = self._choose(batch_size, cluster_inflight)
         if g and not self._drafted_before:  # drafting after plain steps (a probe, a switch, a probe's end): read its catch-up
             self._switch_lag = self.drafter_lag() if self.drafter_lag else None

@@ -21,6 +21,10 @@ class Controller(Protocol):
 class BaseController:
     """Shared concurrency signal; observe is a no-op for modes that do not learn."""
 
+    # True after a gamma() whose step is the last speculative one before plain decoding (a
+    # probe's): an engine that launches a speculative step ahead need not launch one after it
+    ends_speculation = False
+
     def __init__(self, cfg: SpeculationPolicyConfig):
         self.cfg = cfg
         self.num_verifier_replicas = 1

@@ -265,3 +265,33 @@ def test_a_step_launched_ahead_reports_its_drafting_apart(engines, monkeypatch):
         # the totals already held other tests' seconds: the difference is exact only to rounding
         assert grown["draft_s" if slowed == "draft" else "verify_s"] >= 3600.0 * len(ahead) * (1 - 1e-12)
     _settled(e)
+
+
+def test_a_probes_last_step_launches_no_step_after_it(engines):
+    """Where the controller says the step it chose is the last speculative one before plain
+    decoding (a probe up's last: `ends_speculation`), no step is launched after it, which plain
+    decoding would drop: every auto step runs afresh, with the tokens of steps that wait. A row
+    of fixed gamma beside them keeps the launches going: the controller does not govern it."""
+    from cluster.policy import SpeculationPolicyConfig, make_controller
+
+    ref, e = engines
+    p, prompts = e.spec_ahead, ["def f(x):\n    return", "x = [1, 2"]
+    want = [r["token_ids"] for r in ref.generate(prompts, _greedy(30), SpecParams("fixed", 3))]
+    ctrl = make_controller(SpeculationPolicyConfig(mode="fixed", gamma=3))
+    ctrl.ends_speculation = True  # every step a probe's last (the goodput controller says so per step)
+    e.controller = ctrl
+    try:
+        hits, fresh = p.hits, p.fresh
+        assert [r["token_ids"] for r in e.generate(prompts, _greedy(30), SpecParams("auto"))] == want
+        assert p.hits == hits and p.fresh - fresh >= 5  # nothing launched ahead, nothing dropped
+        sids = [e.add_request(prompts[0], _greedy(30), SpecParams("auto")),
+                e.add_request(prompts[1], _greedy(30), SpecParams("fixed", 3))]
+        got = {sid: [] for sid in sids}
+        hits = p.hits
+        while e.has_work:
+            for o in e.step():
+                got[o.seq_id] += o.token_ids
+        assert [got[sid] for sid in sids] == want and p.hits - hits >= 3
+    finally:
+        e.controller = None
+    _settled(e)

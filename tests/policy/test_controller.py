@@ -319,14 +319,22 @@ def test_a_probe_up_from_plain_decoding_drafts_at_most_the_configured_gamma():
     ctrl = make_controller(cfg)
     ctrl.plain_runs_ahead = True
     sim = SimStep(accept=0.3, c0=0.010, c1=0.0000001, d0=0.005, d1=0.0000001, seed=9)
-    ups = []
+    ups, steps = [], []
     for _ in range(2000):
         last = ctrl.snapshot()["gamma"]
         g = ctrl.gamma(8)
         if last == 0 and g > 0 and ctrl.snapshot()["gamma"] == 0:  # a probe (a switch moves the choice)
             ups.append(g)
+        steps.append((g, ctrl.ends_speculation, ctrl.snapshot()["gamma"]))
         ctrl.observe(sim(8, g))
     assert ctrl.snapshot()["gamma"] == 0  # drafting costs more than it makes here
     v = ctrl.goodputs(8)
     assert max(range(1, len(v)), key=v.__getitem__) > cfg.gamma, v  # the model's best lies beyond 4
     assert ups and max(ups) <= cfg.gamma, ups
+    # a probe up lasts two steps, and the second says plain decoding follows (an engine launches no
+    # step after it), which it does unless what the probe measured switches speculation on
+    ends = [i for i, (_, e, _) in enumerate(steps) if e]
+    assert ends and 2 * len(ends) == len(ups), (len(ends), len(ups))
+    assert all(steps[i][0] > 0 and steps[i - 1][0] > 0 for i in ends)
+    after = [steps[i + 1] for i in ends if i + 1 < len(steps)]
+    assert all(g == 0 or chosen > 0 for g, _, chosen in after) and sum(g == 0 for g, _, _ in after) > len(after) / 2

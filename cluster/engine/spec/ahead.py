@@ -148,13 +148,14 @@ class SpecPipeline:
                 gen.set_state(state)
 
     @torch.inference_mode()
-    def step(self, seqs: list[Sequence], caps: list[int], lefts: list[int], drafter: str
+    def step(self, seqs: list[Sequence], caps: list[int], lefts: list[int], drafter: str, launch_next: bool = True
              ) -> tuple[list[Sequence], list[list[int]], list[int]]:
         """One speculative step for `seqs` (gamma `caps[b]` each, the widest sets the drafts a
         row; `lefts[b]`: tokens the row may still add): (the rows that ran, their new tokens,
         the drafts each could accept); nothing where the drafter could not take them (draft the
         usual way). The next step is launched before this one's tokens are read, for the rows
-        that ran, each row's gamma then capped by its tokens left as a waiting step's is."""
+        that ran, each row's gamma then capped by its tokens left as a waiting step's is; not
+        with `launch_next` False (the next step decodes plainly)."""
         d = self.drafters[drafter]
         self.graphs.sync_tables()  # the scheduler grew the rows' tables for both steps in flight
         ahead, self.ahead = self.ahead, None
@@ -180,7 +181,8 @@ class SpecPipeline:
             sel = list(range(len(run)))
             self.fresh += 1
         width = cur.width
-        nxt = None if wait else self._launch(cur, sel, run, max(caps), caps, lefts, d)  # no wait: run is seqs
+        # no wait: run is seqs
+        nxt = None if wait or not launch_next else self._launch(cur, sel, run, max(caps), caps, lefts, d)
         for s in seqs:
             s.reserve = 0 if nxt is None or s.seq_id not in nxt.index else 2 * (nxt.width - 1) + 2
         cur.copied.synchronize()
