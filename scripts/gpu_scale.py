@@ -37,6 +37,7 @@ import time
 import torch
 
 from cluster.bench.load import run_engine, summarise
+from cluster.bench.profiling import CatchUps
 from cluster.bench.harness import (COMPILE_CACHE, DEMO, closed_loop_roofline, copy_bandwidth, log, matmul_rate, roofline,
                                    write_json)
 from cluster.bench.workloads import code_prompts, random_token_prompts
@@ -134,6 +135,8 @@ def sweep(engine, R: dict) -> None:
     rng = random.Random(5)
     lengths = [rng.randint(64, 192) for _ in range(max(16, 2 * max(levels)))]
     controller = make_controller(SpeculationPolicyConfig(mode="goodput"))
+    # each step's catch-ups (what a switch up pays), in the goodput trace
+    catch_ups = CatchUps(engine.drafters["model"]) if isinstance(engine.drafters.get("model"), ModelDrafter) else None
     out = R.setdefault("sweep", [])
     caching, engine.kv.pool.prefix_caching = engine.kv.pool.prefix_caching, False
     for c in levels:
@@ -146,11 +149,15 @@ def sweep(engine, R: dict) -> None:
             engine.controller = controller if name == "goodput" else None
             run_engine(engine, warm, c, lengths[:c], spec, temp)  # warm-up (and the controller)
             # per step, the controller's inputs: batch, gamma, drafted, accepted, step, verify and draft ms
-            # (verify and draft apart: the fits see them apart, benchmarks/gpu/h200/pointwise_5e46173/README.md)
+            # (verify and draft apart: the fits see them apart, benchmarks/gpu/h200/pointwise_5e46173/README.md),
+            # then the step's catch-ups (cluster.bench.profiling.CatchUps; {} where none ran)
             trace: list = []
+            if catch_ups:
+                catch_ups.take()  # not the warm-up's
             engine.on_verify = lambda o: trace.append((  # noqa: B023 - read before the next mode
                 o.batch_size, o.gamma, o.drafted, sum(o.accepted_per_position),
-                *(round(1e3 * x, 3) for x in (o.step_s, o.verify_s, o.draft_s))))
+                *(round(1e3 * x, 3) for x in (o.step_s, o.verify_s, o.draft_s)),
+                catch_ups.take() if catch_ups else {}))
             (res, wall), host = measured(engine, lambda: run_engine(engine, reqs, c, lengths[:n], spec, temp))
             engine.on_verify = None
             s = summarise(res, wall)

@@ -43,9 +43,11 @@ import torch
 from cluster.bench.harness import (copy_bandwidth, cuda_time, decode_rate, drop_ids, dumps, log, matmul_rate, roofline,
                                     spec_point, step_calls)
 from cluster.bench.load import run_engine, summarise
+from cluster.bench.profiling import CatchUps
 from cluster.bench.workloads import code_prompts
 from cluster.config import ClusterConfig, resolve_model_path
 from cluster.engine.drafters.base import DraftRequest
+from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.scheduling.sequence import SpecParams
 from cluster.policy import SpeculationPolicyConfig, make_controller
 
@@ -202,6 +204,8 @@ def sweep(engine, a, R: dict) -> None:
     rng = random.Random(5)
     lengths = [rng.randint(*a.out_range) for _ in range(max(8, 2 * max(levels)))]
     controller = make_controller(SpeculationPolicyConfig(mode="goodput"))
+    # each step's catch-ups (what a switch up pays), in the goodput trace
+    catch_ups = CatchUps(engine.drafters["model"]) if isinstance(engine.drafters.get("model"), ModelDrafter) else None
     out = R["sweep"] = {"prompt_tokens": a.prompt_len, "output_tokens": list(a.out_range), "points": []}
     for c in levels:
         n = max(8, 2 * c)
@@ -211,10 +215,15 @@ def sweep(engine, a, R: dict) -> None:
         for name, sp in (("off", SpecParams("off")), ("fixed4", SpecParams("fixed", 4)), ("goodput", SpecParams("auto"))):
             engine.controller = controller if name == "goodput" else None
             run_engine(engine, take(c), c, lengths[:c], sp)  # warm-up (and the controller's measurements)
-            trace: list = []  # per step: batch, gamma, drafted, accepted, step ms, draft ms, tok/s by gamma as weighed
+            # per step: batch, gamma, drafted, accepted, step ms, draft ms, tok/s by gamma as weighed,
+            # the step's catch-ups (cluster.bench.profiling.CatchUps; {} where none ran)
+            trace: list = []
+            if catch_ups:
+                catch_ups.take()  # not the warm-up's
             engine.on_verify = lambda o: trace.append(  # noqa: B023 - read before the next mode
                 (o.batch_size, o.gamma, o.drafted, sum(o.accepted_per_position), round(1e3 * o.step_s, 2),
-                 round(1e3 * o.draft_s, 2), [round(x) for x in controller.goodputs_seen]))
+                 round(1e3 * o.draft_s, 2), [round(x) for x in controller.goodputs_seen],
+                 catch_ups.take() if catch_ups else {}))
             point[name] = summarise(*run_engine(engine, take(n), c, lengths[:n], sp))
             engine.on_verify = None
             if name == "goodput":

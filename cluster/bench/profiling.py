@@ -136,3 +136,71 @@ def step_profile(fn, steps: int = 10, top: int = 12) -> dict:
         out["all_reduce"] = {"per_step": k, "median_us": statistics.median(reduces),
                              "first_of_step_us": statistics.median(reduces[::k][:steps])}
     return out
+
+
+class CatchUps:
+    """What a ModelDrafter's catch-ups ran (calls, rows, tokens, passes; GPU ms on its stream's
+    timers) and the graphs torch.compile compiled meanwhile, read per step by `take()`: a switch
+    up from plain decoding pays the catch-up, and a trace of these tells what its price grows with
+    (tokens, passes, or a recompile at a new width). An instrument around the drafter's methods;
+    the drafter is unchanged."""
+
+    def __init__(self, drafter):
+        import torch
+
+        self._counts: dict[str, float] = defaultdict(float)
+        self._timers: list = []
+        self._inside = False
+        catch_up, forward = drafter._catch_up, drafter.runner.forward
+        cuda = next(drafter.runner.model.parameters()).is_cuda
+
+        def timed_catch_up(kv_rows, lens, feed):
+            c = self._counts
+            c["calls"] += 1
+            c["rows"] += len(feed)
+            c["tokens"] += sum(map(len, feed))
+            if cuda:  # on the stream it runs on: no sync
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t = time.perf_counter()
+            self._inside = True
+            try:
+                return catch_up(kv_rows, lens, feed)
+            finally:
+                self._inside = False
+                if cuda:
+                    end.record()
+                    self._timers.append((start, end))
+                else:
+                    c["ms"] += 1e3 * (time.perf_counter() - t)
+
+        def counted_forward(*args, **kw):
+            if self._inside:
+                self._counts["passes"] += 1
+            return forward(*args, **kw)
+
+        drafter._catch_up, drafter.runner.forward = timed_catch_up, counted_forward
+        self._compiled = _compiled_graphs()
+
+    def take(self) -> dict[str, float]:
+        """Since the last take: the counts, the catch-ups' ms (those whose timers are done) and
+        the graphs torch.compile compiled."""
+        out, self._counts = dict(self._counts), defaultdict(float)
+        waiting = []
+        for start, end in self._timers:
+            if end.query():
+                out["ms"] = out.get("ms", 0.0) + start.elapsed_time(end)
+            else:
+                waiting.append((start, end))
+        self._timers = waiting
+        compiled = _compiled_graphs()
+        out["compiled"], self._compiled = compiled - self._compiled, compiled
+        return {k: round(v, 3) for k, v in out.items() if v}
+
+
+def _compiled_graphs() -> int:
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return 0
+    return int(counters["stats"]["unique_graphs"])

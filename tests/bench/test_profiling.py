@@ -1,5 +1,5 @@
-"""cluster.bench.profiling's accounting of a profiled step: busy time as the union of kernel
-intervals, and idle gaps grouped by the kernels on either side."""
+"""cluster.bench.profiling: the accounting of a profiled step (busy time as the union of kernel
+intervals, and idle gaps grouped by the kernels on either side), and what a drafter's catch-ups ran."""
 
 import torch
 
@@ -42,3 +42,39 @@ def test_launch_lead_tells_whether_the_gpu_starts_before_the_launch_returns():
     assert launch_lead([(0, 100), (1000, 1200)], kernels) == {"count": 2, "call_us": 150.0,
                                                               "first_kernel_after_us": 170.0}
     assert launch_lead([(2000, 2100)], kernels) == {}  # no kernel after it
+
+
+def test_catch_ups_count_what_the_drafter_ran(demo_pair):
+    """After plain steps, the step that turns drafting on first runs the draft model over every
+    token its rows missed: CatchUps reads exactly the lag the engine reported before that step
+    (the controller's switch price is read against it), and a step's worth of tokens a row after."""
+    from cluster.bench.profiling import CatchUps
+    from cluster.engine.config import EngineConfig
+    from cluster.engine.engine import Engine
+    from cluster.engine.sampling import SamplingParams
+    from cluster.engine.scheduling.sequence import SpecParams
+
+    class PlainThenDrafts:  # the engine's controller interface: plain steps, then gamma 3
+        steps = 0
+
+        def gamma(self, batch_size, cluster_inflight=0):
+            self.steps += 1
+            return 0 if self.steps <= 8 else 3
+
+        def observe(self, obs):
+            pass
+
+    e = Engine.from_pretrained(*demo_pair, "model", EngineConfig(max_num_seqs=4, max_model_len=128, dtype="float32"))
+    catch_ups = CatchUps(e.drafters["model"])
+    e.controller = PlainThenDrafts()
+    for prompt in ("def f(x):\n    return", "import os\nimport sys\n"):
+        e.add_request(prompt, SamplingParams(max_tokens=24, ignore_eos=True), SpecParams("auto"))
+    steps = []
+    while e.has_work:
+        lag = e.planner.lag(list(e.scheduler.running))
+        e.step()
+        steps.append((lag, catch_ups.take()))
+    drafting = [(lag, c) for lag, c in steps if c.get("calls")]
+    (lag, first), later = drafting[0], drafting[1:]
+    assert lag > 2 * 8 and first["tokens"] == lag and first["rows"] == 2 and first["passes"] >= 1 and first["ms"] > 0
+    assert later and all(c["tokens"] <= c["rows"] * (3 + 1) and c["passes"] == 1 for _, c in later)
