@@ -114,7 +114,7 @@ class Engine:
     def controller(self, ctrl) -> None:
         self._controller = ctrl
         if ctrl is not None and hasattr(ctrl, "plain_runs_ahead"):  # it prices gamma 0, and a switch up
-            ctrl.plain_runs_ahead = self.pipeline is not None
+            ctrl.plain_runs_ahead, ctrl.spec_runs_ahead = self.pipeline is not None, self.spec_ahead is not None
             auto = lambda: [s for s in self.scheduler.running if s.spec.mode == "auto"]  # noqa: E731
             ctrl.drafter_lag = lambda: self.planner.lag(auto())
             ctrl.tokens_left = lambda: tokens_left(auto(), self.max_model_len)

@@ -338,3 +338,24 @@ def test_a_probe_up_from_plain_decoding_drafts_at_most_the_configured_gamma():
     assert all(steps[i][0] > 0 and steps[i - 1][0] > 0 for i in ends)
     after = [steps[i + 1] for i in ends if i + 1 < len(steps)]
     assert all(g == 0 or chosen > 0 for g, _, chosen in after) and sum(g == 0 for g, _, _ in after) > len(after) / 2
+
+
+def test_a_gamma_0_probe_is_announced_a_step_ahead_where_speculative_steps_run_ahead():
+    # An engine that launches each speculative step before the last one's tokens are read drops
+    # that launch when plain decoding comes next: a whole verify pass (~5 ms at one row on an
+    # H200, where probes at gamma 0 lost about 1% so). The step before each gamma-0 probe says
+    # speculation ends after it, so nothing is launched for the probe to drop.
+    ctrl = make_controller(SpeculationPolicyConfig(mode="goodput", explore_every=16))
+    ctrl.plain_runs_ahead = ctrl.spec_runs_ahead = True
+    sim = SimStep(accept=0.8, c0=0.010, c1=0.00001, d0=0.0005, d1=0.00001, seed=3)
+    steps = []
+    for _ in range(1500):
+        g = ctrl.gamma(4)
+        steps.append((g, ctrl.ends_speculation, ctrl.snapshot()["gamma"]))
+        ctrl.observe(sim(4, g))
+    probes = [i for i in range(1, len(steps)) if steps[i][0] == 0 and steps[i - 1][0] > 0 and steps[i][2] > 0]
+    assert len(probes) >= 5, steps[-20:]
+    assert all(steps[i - 1][1] for i in probes)  # announced
+    assert all(steps[i + 1][0] == steps[i + 2][0] == 0 for i in probes if i + 2 < len(steps))  # three plain steps
+    announced = [i for i, (g, ends, chosen) in enumerate(steps) if ends and chosen > 0 and i + 1 < len(steps)]
+    assert all(steps[i + 1][0] == 0 for i in announced)  # and only before one
