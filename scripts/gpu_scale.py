@@ -150,14 +150,14 @@ def sweep(engine, R: dict) -> None:
             run_engine(engine, warm, c, lengths[:c], spec, temp)  # warm-up (and the controller)
             # per step, the controller's inputs: batch, gamma, drafted, accepted, step, verify and draft ms
             # (verify and draft apart: the fits see them apart, benchmarks/gpu/h200/pointwise_5e46173/README.md),
-            # then the step's catch-ups (cluster.bench.profiling.CatchUps; {} where none ran)
+            # then the step's catch-ups (cluster.bench.profiling.CatchUps.FIELDS: calls, rows, tokens, passes, ms, compiled)
             trace: list = []
             if catch_ups:
                 catch_ups.take()  # not the warm-up's
             engine.on_verify = lambda o: trace.append((  # noqa: B023 - read before the next mode
                 o.batch_size, o.gamma, o.drafted, sum(o.accepted_per_position),
                 *(round(1e3 * x, 3) for x in (o.step_s, o.verify_s, o.draft_s)),
-                catch_ups.take() if catch_ups else {}))
+                catch_ups.row() if catch_ups else []))
             (res, wall), host = measured(engine, lambda: run_engine(engine, reqs, c, lengths[:n], spec, temp))
             engine.on_verify = None
             s = summarise(res, wall)
@@ -180,6 +180,8 @@ def sweep(engine, R: dict) -> None:
             "host ms/step", {m: round(point[m]["host_ms_per_step"], 2) for m in ("off", "fixed4", "goodput")})
         write(R)
     engine.kv.pool.prefix_caching = caching
+    if catch_ups:
+        catch_ups.close()
 
 
 def profile(engine, fn, c: int) -> None:

@@ -216,14 +216,14 @@ def sweep(engine, a, R: dict) -> None:
             engine.controller = controller if name == "goodput" else None
             run_engine(engine, take(c), c, lengths[:c], sp)  # warm-up (and the controller's measurements)
             # per step: batch, gamma, drafted, accepted, step ms, draft ms, tok/s by gamma as weighed,
-            # the step's catch-ups (cluster.bench.profiling.CatchUps; {} where none ran)
+            # the step's catch-ups (cluster.bench.profiling.CatchUps.FIELDS: calls, rows, tokens, passes, ms, compiled)
             trace: list = []
             if catch_ups:
                 catch_ups.take()  # not the warm-up's
             engine.on_verify = lambda o: trace.append(  # noqa: B023 - read before the next mode
                 (o.batch_size, o.gamma, o.drafted, sum(o.accepted_per_position), round(1e3 * o.step_s, 2),
                  round(1e3 * o.draft_s, 2), [round(x) for x in controller.goodputs_seen],
-                 catch_ups.take() if catch_ups else {}))
+                 catch_ups.row() if catch_ups else []))
             point[name] = summarise(*run_engine(engine, take(n), c, lengths[:n], sp))
             engine.on_verify = None
             if name == "goodput":
@@ -236,6 +236,8 @@ def sweep(engine, a, R: dict) -> None:
         log("sweep", c, {m: round(point[m]["tokens_per_s"], 2) for m in ("off", "fixed4", "goodput")},
             "goodput/best", round(point["goodput_over_best"], 3))
         write(a, R)
+    if catch_ups:
+        catch_ups.close()
 
 
 def plot(R: dict, png: str) -> None:

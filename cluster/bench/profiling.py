@@ -142,8 +142,11 @@ class CatchUps:
     """What a ModelDrafter's catch-ups ran (calls, rows, tokens, passes; GPU ms on its stream's
     timers) and the graphs torch.compile compiled meanwhile, read per step by `take()`: a switch
     up from plain decoding pays the catch-up, and a trace of these tells what its price grows with
-    (tokens, passes, or a recompile at a new width). An instrument around the drafter's methods;
-    the drafter is unchanged."""
+    (tokens, passes, or a recompile at a new width). An instrument around the drafter's methods
+    until `close()`; the drafter is unchanged. A catch-up's time is booked at the first `take()`
+    that finds it done: a look-ahead's, queued beside the verify pass, may land a step late."""
+
+    FIELDS = ("calls", "rows", "tokens", "passes", "ms", "compiled")  # `row()`'s order
 
     def __init__(self, drafter):
         import torch
@@ -179,8 +182,14 @@ class CatchUps:
                 self._counts["passes"] += 1
             return forward(*args, **kw)
 
+        self._restore = lambda: (setattr(drafter, "_catch_up", catch_up), setattr(drafter.runner, "forward", forward))
         drafter._catch_up, drafter.runner.forward = timed_catch_up, counted_forward
         self._compiled = _compiled_graphs()
+
+    def close(self) -> None:
+        """The drafter's own methods back (a pending timer is dropped)."""
+        self._restore()
+        self._timers.clear()
 
     def take(self) -> dict[str, float]:
         """Since the last take: the counts, the catch-ups' ms (those whose timers are done) and
@@ -196,6 +205,11 @@ class CatchUps:
         compiled = _compiled_graphs()
         out["compiled"], self._compiled = compiled - self._compiled, compiled
         return {k: round(v, 3) for k, v in out.items() if v}
+
+    def row(self) -> list[float]:
+        """`take()` as numbers in FIELDS' order (a trace row stays one line in the JSON)."""
+        got = self.take()
+        return [got.get(k, 0) for k in self.FIELDS]
 
 
 def _compiled_graphs() -> int:

@@ -284,8 +284,7 @@ class Engine:
         return accepted + first, obs
 
     def _verify_ahead(self, rows: list[tuple[Sequence, int]]) -> tuple[list[Sequence], StepObservation] | None:
-        """A speculative step launched ahead (cluster.engine.spec.ahead) where all of
-        `rows` can take one; None: the step runs the usual way."""
+        """A step launched ahead (cluster.engine.spec.ahead) where all of `rows` can take one; None: the usual way."""
         seqs, gammas = [s for s, _ in rows], [g for _, g in rows]
         name = self.spec_ahead and self.spec_ahead.drafter_for(seqs, gammas, self.default_drafter)
         if not name or not self._pipelined(seqs):
@@ -294,7 +293,8 @@ class Engine:
         self.planner.drop_ahead(name)
         self.pipeline.interrupt()
         # a probe's last step (plain decoding next, the controller says): a step launched after it would be dropped
-        last = getattr(self.controller, "ends_speculation", False) and all(s.spec.mode == "auto" for s in seqs)
+        last = getattr(self.controller, "ends_speculation", False) and all(
+            s.spec.mode == "auto" or not g for s, g in zip(seqs, gammas))
         run, out, num_draft = self.spec_ahead.step(seqs, gammas, [self._left(s) for s in seqs], name, not last)
         if not run:
             return None

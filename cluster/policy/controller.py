@@ -304,7 +304,7 @@ class GoodputController(BaseController):
             # one: where the fitted costs are flat in gamma the best lies at gamma_max, whose
             # measured cost alone reads speculation dear at every gamma (TP 4: 33 ms at gamma 8
             # against 24 at 4). Twice: the first step's drafts pay the drafter's catch-up (not fitted).
-            up = min(max(range(1, len(v)), key=v.__getitem__), self.cfg.gamma or 1) if len(v) > 1 else 0
+            up = min(max(range(1, len(v)), key=v.__getitem__), self.cfg.gamma or cfg.gamma_max) if len(v) > 1 else 0
             self._probe_again = up or None
             if up:
                 self._charged(2)

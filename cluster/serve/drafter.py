@@ -171,13 +171,15 @@ class _Pending(Future):
         self.sent = time.monotonic()
 
     def result(self, timeout=None):
+        wait = self.owner.wait_s()
         try:
-            out = self.response.result(timeout_s=self.owner.wait_s())
+            out = self.response.result(timeout_s=wait)
         except Exception:
             self.response.cancel()  # a stale call must not run later on a recovered replica
             self.owner._failed(self.release)
             raise
-        self.owner.recent_s.append(time.monotonic() - self.sent)
+        # a reply read late because this thread stalled (draft_rpc) counts what was waited, not the stall
+        self.owner.recent_s.append(min(time.monotonic() - self.sent, wait))
         resync = getattr(self.response, "resync", None)
         self.owner._succeeded(self.requests, resync)
         if resync and any(resync):  # those rows' aux states were dropped there: send them again

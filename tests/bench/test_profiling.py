@@ -78,3 +78,9 @@ def test_catch_ups_count_what_the_drafter_ran(demo_pair):
     (lag, first), later = drafting[0], drafting[1:]
     assert lag > 2 * 8 and first["tokens"] == lag and first["rows"] == 2 and first["passes"] >= 1 and first["ms"] > 0
     assert later and all(c["tokens"] <= c["rows"] * (3 + 1) and c["passes"] == 1 for _, c in later)
+    e.generate(["x = 1"], SamplingParams(max_tokens=8, ignore_eos=True), SpecParams("fixed", 3))
+    calls, rows, tokens, passes = catch_ups.row()[:4]  # one row: a pass a call, its prompt first
+    assert calls >= 1 and rows == passes == calls and tokens >= len(e.tokenizer.encode("x = 1")) + calls - 1
+    catch_ups.close()  # the drafter's own methods again: nothing more is counted
+    e.generate(["x = 1"], SamplingParams(max_tokens=8, ignore_eos=True), SpecParams("fixed", 3))
+    assert catch_ups.take() == {}

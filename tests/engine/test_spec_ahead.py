@@ -292,6 +292,14 @@ def test_a_probes_last_step_launches_no_step_after_it(engines):
             for o in e.step():
                 got[o.seq_id] += o.token_ids
         assert [got[sid] for sid in sids] == want and p.hits - hits >= 3
+        # a row that drafts nothing (speculation off) does not keep them going
+        sids = [e.add_request(prompts[0], _greedy(30), SpecParams("auto")),
+                e.add_request(prompts[1], _greedy(30), SpecParams("off"))]
+        got, hits = {sid: [] for sid in sids}, p.hits
+        while e.has_work:
+            for o in e.step():
+                got[o.seq_id] += o.token_ids
+        assert [got[sid] for sid in sids] == want and p.hits == hits
     finally:
         e.controller = None
     _settled(e)
