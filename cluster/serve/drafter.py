@@ -178,8 +178,9 @@ class _Pending(Future):
             self.response.cancel()  # a stale call must not run later on a recovered replica
             self.owner._failed(self.release)
             raise
-        # a reply read late because this thread stalled (draft_rpc) counts what was waited, not the stall
-        self.owner.recent_s.append(min(time.monotonic() - self.sent, wait))
+        took = time.monotonic() - self.sent
+        if took <= wait:  # one read late because this thread stalled (draft_rpc) says nothing of the replica
+            self.owner.recent_s.append(took)
         resync = getattr(self.response, "resync", None)
         self.owner._succeeded(self.requests, resync)
         if resync and any(resync):  # those rows' aux states were dropped there: send them again

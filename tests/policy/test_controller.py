@@ -316,17 +316,7 @@ def test_a_probe_up_from_plain_decoding_drafts_at_most_the_configured_gamma():
     # sweep_h200/vt), so speculation read dear at every gamma and stayed off where gamma 4 paid
     # 1.08x. A probe up runs at the configured gamma, where speculating is known to be sane.
     cfg = SpeculationPolicyConfig(mode="goodput", gamma=4)
-    ctrl = make_controller(cfg)
-    ctrl.plain_runs_ahead = True
-    sim = SimStep(accept=0.3, c0=0.010, c1=0.0000001, d0=0.005, d1=0.0000001, seed=9)
-    ups, steps = [], []
-    for _ in range(2000):
-        last = ctrl.snapshot()["gamma"]
-        g = ctrl.gamma(8)
-        if last == 0 and g > 0 and ctrl.snapshot()["gamma"] == 0:  # a probe (a switch moves the choice)
-            ups.append(g)
-        steps.append((g, ctrl.ends_speculation, ctrl.snapshot()["gamma"]))
-        ctrl.observe(sim(8, g))
+    ctrl, ups, steps = _probes_up(cfg)
     assert ctrl.snapshot()["gamma"] == 0  # drafting costs more than it makes here
     v = ctrl.goodputs(8)
     assert max(range(1, len(v)), key=v.__getitem__) > cfg.gamma, v  # the model's best lies beyond 4
@@ -338,6 +328,25 @@ def test_a_probe_up_from_plain_decoding_drafts_at_most_the_configured_gamma():
     assert all(steps[i][0] > 0 and steps[i - 1][0] > 0 for i in ends)
     after = [steps[i + 1] for i in ends if i + 1 < len(steps)]
     assert all(g == 0 or chosen > 0 for g, _, chosen in after) and sum(g == 0 for g, _, _ in after) > len(after) / 2
+    # configured at gamma 0 (start plainly), probes up are not held to one draft
+    assert max(_probes_up(SpeculationPolicyConfig(mode="goodput", gamma=0))[1]) > 1
+
+
+def _probes_up(cfg):
+    """The controller after 2000 steps at 8 rows where drafting costs more than it makes, the
+    gammas of its probes up, and per step (gamma, ends_speculation, the chosen gamma)."""
+    ctrl = make_controller(cfg)
+    ctrl.plain_runs_ahead = True
+    sim = SimStep(accept=0.3, c0=0.010, c1=0.0000001, d0=0.005, d1=0.0000001, seed=9)
+    ups, steps = [], []
+    for _ in range(2000):
+        last = ctrl.snapshot()["gamma"]
+        g = ctrl.gamma(8)
+        if last == 0 and g > 0 and ctrl.snapshot()["gamma"] == 0:  # a probe (a switch moves the choice)
+            ups.append(g)
+        steps.append((g, ctrl.ends_speculation, ctrl.snapshot()["gamma"]))
+        ctrl.observe(sim(8, g))
+    return ctrl, ups, steps
 
 
 def test_a_gamma_0_probe_is_announced_a_step_ahead_where_speculative_steps_run_ahead():

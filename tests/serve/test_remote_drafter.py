@@ -365,6 +365,28 @@ def test_a_hung_replica_costs_a_fraction_of_the_timeout():
         replica.server.stop()
 
 
+def test_a_reply_read_late_counts_the_wait_it_had_not_the_stall():
+    """The verifier's thread stalled past its call's wait (a GC pause) while the reply came: the
+    step takes it, and the slow-call rule leaves that call out (it timed the stall, not the
+    replica), so one pause does not stretch the limit for the 64 calls after it."""
+    replica = Replica(draft_output())
+    try:
+        d = RemoteDrafter(EndpointHandle(replica), timeout_s=5.0, caller="v")
+        d.MIN_WAIT_S = 0.05
+        for _ in range(10):
+            assert d.propose([draft_request()]).tokens == [[1, 2]]
+        wait = d.wait_s()
+        pending = d.propose_async([draft_request()])
+        deadline = time.monotonic() + 10
+        while not d.last_call.client.poll_now() and time.monotonic() < deadline:  # the reply is in
+            time.sleep(0.01)
+        time.sleep(wait + 0.2)  # the stall, past the call's wait
+        assert pending.result().tokens == [[1, 2]]
+        assert max(d.recent_s) <= wait and d.wait_s() == wait
+    finally:
+        replica.server.stop()
+
+
 def test_a_reply_that_came_while_the_caller_stalled_is_taken():
     """The caller's thread did not read the socket until past the call's deadline (a GC
     pause, a loaded host) while the reply was already there: the call succeeds."""
