@@ -135,8 +135,7 @@ def sweep(engine, R: dict) -> None:
     rng = random.Random(5)
     lengths = [rng.randint(64, 192) for _ in range(max(16, 2 * max(levels)))]
     controller = make_controller(SpeculationPolicyConfig(mode="goodput"))
-    # each step's catch-ups (what a switch up pays), in the goodput trace
-    catch_ups = CatchUps(engine.drafters["model"]) if isinstance(engine.drafters.get("model"), ModelDrafter) else None
+    catch_ups = CatchUps.of(engine)  # each step's catch-ups (what a switch up pays), in the goodput trace
     out = R.setdefault("sweep", [])
     caching, engine.kv.pool.prefix_caching = engine.kv.pool.prefix_caching, False
     for c in levels:
@@ -152,12 +151,11 @@ def sweep(engine, R: dict) -> None:
             # (verify and draft apart: the fits see them apart, benchmarks/gpu/h200/pointwise_5e46173/README.md),
             # then the step's catch-ups (cluster.bench.profiling.CatchUps.FIELDS: calls, rows, tokens, passes, ms, compiled)
             trace: list = []
-            if catch_ups:
-                catch_ups.take()  # not the warm-up's
+            catch_ups.take()  # not the warm-up's
             engine.on_verify = lambda o: trace.append((  # noqa: B023 - read before the next mode
                 o.batch_size, o.gamma, o.drafted, sum(o.accepted_per_position),
                 *(round(1e3 * x, 3) for x in (o.step_s, o.verify_s, o.draft_s)),
-                catch_ups.row() if catch_ups else []))
+                catch_ups.row()))
             (res, wall), host = measured(engine, lambda: run_engine(engine, reqs, c, lengths[:n], spec, temp))
             engine.on_verify = None
             s = summarise(res, wall)
@@ -180,8 +178,7 @@ def sweep(engine, R: dict) -> None:
             "host ms/step", {m: round(point[m]["host_ms_per_step"], 2) for m in ("off", "fixed4", "goodput")})
         write(R)
     engine.kv.pool.prefix_caching = caching
-    if catch_ups:
-        catch_ups.close()
+    catch_ups.close()
 
 
 def profile(engine, fn, c: int) -> None:

@@ -1,8 +1,7 @@
 """The 70B-shaped demo target split over N GPUs of one host (issue 29): the engine as
 build_engine starts it under engine.tensor_parallel_size (rank 0 here, ranks 1..N-1 spawned,
 NCCL, small all-reduces one-shot (`ONE_SHOT_KB=0`: NCCL only); CUDA graphs on every rank,
-`GRAPHS=0` for eager passes), bf16, the draft model
-demo-8b-draft on rank 0's GPU.
+`GRAPHS=0` for eager passes), bf16, the draft model demo-8b-draft on rank 0's GPU.
 
     TP=2 bash scripts/gpu_py.sh gpu_tp.py          # on nvidia-h100-x2; $OUT/gpu_tp.json + .png
     python3 scripts/gpu_tp.py --cpu-smoke --out /tmp/tp   # here: orchestration only, not speed
@@ -47,7 +46,6 @@ from cluster.bench.profiling import CatchUps
 from cluster.bench.workloads import code_prompts
 from cluster.config import ClusterConfig, resolve_model_path
 from cluster.engine.drafters.base import DraftRequest
-from cluster.engine.drafters.model import ModelDrafter
 from cluster.engine.scheduling.sequence import SpecParams
 from cluster.policy import SpeculationPolicyConfig, make_controller
 
@@ -204,8 +202,7 @@ def sweep(engine, a, R: dict) -> None:
     rng = random.Random(5)
     lengths = [rng.randint(*a.out_range) for _ in range(max(8, 2 * max(levels)))]
     controller = make_controller(SpeculationPolicyConfig(mode="goodput"))
-    # each step's catch-ups (what a switch up pays), in the goodput trace
-    catch_ups = CatchUps(engine.drafters["model"]) if isinstance(engine.drafters.get("model"), ModelDrafter) else None
+    catch_ups = CatchUps.of(engine)  # each step's catch-ups (what a switch up pays), in the goodput trace
     out = R["sweep"] = {"prompt_tokens": a.prompt_len, "output_tokens": list(a.out_range), "points": []}
     for c in levels:
         n = max(8, 2 * c)
@@ -215,15 +212,13 @@ def sweep(engine, a, R: dict) -> None:
         for name, sp in (("off", SpecParams("off")), ("fixed4", SpecParams("fixed", 4)), ("goodput", SpecParams("auto"))):
             engine.controller = controller if name == "goodput" else None
             run_engine(engine, take(c), c, lengths[:c], sp)  # warm-up (and the controller's measurements)
-            # per step: batch, gamma, drafted, accepted, step ms, draft ms, tok/s by gamma as weighed,
-            # the step's catch-ups (cluster.bench.profiling.CatchUps.FIELDS: calls, rows, tokens, passes, ms, compiled)
+            # per step: batch, gamma, drafted, accepted, step ms, draft ms, tok/s by gamma weighed, CatchUps.FIELDS
             trace: list = []
-            if catch_ups:
-                catch_ups.take()  # not the warm-up's
+            catch_ups.take()  # not the warm-up's
             engine.on_verify = lambda o: trace.append(  # noqa: B023 - read before the next mode
                 (o.batch_size, o.gamma, o.drafted, sum(o.accepted_per_position), round(1e3 * o.step_s, 2),
                  round(1e3 * o.draft_s, 2), [round(x) for x in controller.goodputs_seen],
-                 catch_ups.row() if catch_ups else []))
+                 catch_ups.row()))
             point[name] = summarise(*run_engine(engine, take(n), c, lengths[:n], sp))
             engine.on_verify = None
             if name == "goodput":
@@ -236,8 +231,7 @@ def sweep(engine, a, R: dict) -> None:
         log("sweep", c, {m: round(point[m]["tokens_per_s"], 2) for m in ("off", "fixed4", "goodput")},
             "goodput/best", round(point["goodput_over_best"], 3))
         write(a, R)
-    if catch_ups:
-        catch_ups.close()
+    catch_ups.close()
 
 
 def plot(R: dict, png: str) -> None:
@@ -256,19 +250,16 @@ def plot(R: dict, png: str) -> None:
     fig.suptitle(R["label"], fontsize=9)
     if "batch1" in R:
         ax[0].bar(["plain", "ceiling"], [R["batch1"]["tokens_per_s"], R["ceiling_tokens_per_s"]])
-        ax[0].set_title(f"batch 1, TP {R['tp']}: {R['batch1']['fraction_of_ceiling']:.2f} of ceiling")
-        ax[0].set_ylabel("tokens/s")
+        ax[0].set(title=f"batch 1, TP {R['tp']}: {R['batch1']['fraction_of_ceiling']:.2f} of ceiling", ylabel="tokens/s")
     if "verify" in R:
         v = R["verify"]
         ax[1].bar(["decode", "verify g4"], [v["decode_ms"], v["verify5_ms"]])
-        ax[1].set_title(f"verify / decode = {v['ratio']:.2f}")
-        ax[1].set_ylabel("ms")
+        ax[1].set(title=f"verify / decode = {v['ratio']:.2f}", ylabel="ms")
     if "spec" in R:
         gs = list(R["spec"]["by_gamma"])
         ax[2].plot(gs, [R["spec"]["by_gamma"][g]["speedup"] for g in gs], "o-", label="measured")
         ax[2].plot(gs, [R["spec"]["by_gamma"][g]["ideal_speedup"] for g in gs], "s--", label="ideal")
-        ax[2].set_title("draft model speedup over plain")
-        ax[2].set_xlabel("gamma")
+        ax[2].set(title="draft model speedup over plain", xlabel="gamma")
         ax[2].legend()
     if "sweep" in R and R["sweep"]["points"]:
         pts = R["sweep"]["points"]
@@ -278,9 +269,7 @@ def plot(R: dict, png: str) -> None:
         if "roofline_tokens_per_s" in pts[0]:
             ax[3].plot(cs, [p["roofline_tokens_per_s"] for p in pts], "k:", label="roofline")
         ax[3].set_xscale("log", base=2)
-        ax[3].set_yscale("log")
-        ax[3].set_xlabel("concurrency")
-        ax[3].set_title("sweep, tokens/s")
+        ax[3].set(yscale="log", xlabel="concurrency", title="sweep, tokens/s")
         ax[3].legend()
     fig.tight_layout()
     fig.savefig(png, dpi=110)

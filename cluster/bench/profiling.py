@@ -186,6 +186,14 @@ class CatchUps:
         drafter._catch_up, drafter.runner.forward = timed_catch_up, counted_forward
         self._compiled = _compiled_graphs()
 
+    @classmethod
+    def of(cls, engine) -> "CatchUps | _NoCatchUps":
+        """For an engine's model drafter; one that records nothing where it has none."""
+        from cluster.engine.drafters.model import ModelDrafter
+
+        d = engine.drafters.get("model")
+        return cls(d) if isinstance(d, ModelDrafter) else _NoCatchUps()
+
     def close(self) -> None:
         """The drafter's own methods back (a pending timer is dropped)."""
         self._restore()
@@ -210,6 +218,19 @@ class CatchUps:
         """`take()` as numbers in FIELDS' order (a trace row stays one line in the JSON)."""
         got = self.take()
         return [got.get(k, 0) for k in self.FIELDS]
+
+
+class _NoCatchUps:
+    """CatchUps' surface where there is no model drafter to watch."""
+
+    def take(self) -> dict:
+        return {}
+
+    def row(self) -> list:
+        return []
+
+    def close(self) -> None:
+        pass
 
 
 def _compiled_graphs() -> int:
